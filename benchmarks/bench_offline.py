@@ -1,0 +1,104 @@
+"""Offline throughput: prints one JSON line with output_tok_per_s.
+
+    python benchmarks/bench_offline.py --model qwen3-0.6b --workload nano
+    python benchmarks/bench_offline.py --model /path/to/ckpt --workload grpo --num-seqs 8 --max-len 64
+
+`nano` is the nano-vllm workload (256 sequences, input and output lengths uniform in
+100..1024, `random.seed(0)`, prompts drawn before output lengths, token ids in [0, 10000),
+temperature 0.6, ignore_eos). `grpo` is 64 prompts x n=8 samples. A NAME of a real model
+(see REAL_CONFIGS) runs its real config with random weights (speed does not depend on them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rollout import RolloutEngine  # noqa: E402
+from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
+
+
+def nano_workload(num_seqs: int, max_len: int) -> tuple[list[list[int]], list[dict]]:
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_len))] for _ in range(num_seqs)]
+    params = [
+        {"temperature": 0.6, "ignore_eos": True, "max_new_tokens": random.randint(100, max_len)}
+        for _ in range(num_seqs)
+    ]
+    return prompts, params
+
+
+def grpo_workload(num_prompts: int, max_len: int) -> tuple[list[list[int]], list[dict]]:
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(64, 512))] for _ in range(num_prompts)]
+    params = [
+        {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": max_len, "n": 8}
+        for _ in range(num_prompts)
+    ]
+    return prompts, params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help=f"checkpoint dir or one of {sorted(REAL_CONFIGS)}")
+    parser.add_argument("--workload", choices=["nano", "grpo"], default="nano")
+    parser.add_argument("--num-seqs", type=int, help="sequences (nano, default 256) or prompts (grpo, default 64)")
+    parser.add_argument("--max-len", type=int, help="max input/output length (nano: 1024; grpo output: 512)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--disable-radix-cache", action="store_true")
+    parser.add_argument("--max-total-tokens", type=int)
+    args = parser.parse_args()
+
+    options: dict = {"dtype": args.dtype, "device": args.device, "disable_radix_cache": args.disable_radix_cache}
+    if args.max_total_tokens:
+        options["max_total_tokens"] = args.max_total_tokens
+    model = args.model
+    if not os.path.isdir(model):
+        if model.lower() not in REAL_CONFIGS:
+            parser.error(f"--model must be a checkpoint directory or one of {sorted(REAL_CONFIGS)}")
+        model = write_config_checkpoint(model.lower(), tempfile.mkdtemp(prefix="rollout-bench-"))
+        options["load_format"] = "dummy"
+
+    if args.workload == "nano":
+        prompts, params = nano_workload(args.num_seqs or 256, args.max_len or 1024)
+    else:
+        prompts, params = grpo_workload(args.num_seqs or 64, args.max_len or 512)
+    expected_tokens = sum(p["max_new_tokens"] * p.get("n", 1) for p in params)
+
+    with RolloutEngine(model, **options) as engine:
+        engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})  # warm-up
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        seconds = time.perf_counter() - start
+        info = engine.get_server_info()
+    output_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    assert output_tokens == expected_tokens, (output_tokens, expected_tokens)
+    print(
+        json.dumps(
+            {
+                "workload": args.workload,
+                "model": args.model,
+                "num_seqs": len(outs),
+                "output_tokens": output_tokens,
+                "seconds": round(seconds, 3),
+                "output_tok_per_s": round(output_tokens / seconds, 1),
+                "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
+                "device": info["device"],
+                "dtype": info["dtype"],
+                "max_total_tokens": info["max_total_tokens"],
+                "radix_cache": not args.disable_radix_cache,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Triton kernels, one kernel and its launcher per file (installed as `rollout_kernels`)."""

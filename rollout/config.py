@@ -1,0 +1,96 @@
+"""Engine options, split by the component that reads them.
+
+Each dataclass is frozen: options are decided once, at construction, and never mutated. The
+CLI (and `RolloutEngine(**options)`) is generated from these fields; the `help` metadata is the
+text users see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    model_path: str = _opt("", "Hugging Face checkpoint directory (config.json + safetensors)")
+    tokenizer_path: str | None = _opt(None, "tokenizer directory; defaults to model_path")
+    dtype: str = _opt("auto", "weight/activation dtype: auto, bfloat16, float16, float32")
+    device: str | None = _opt(None, "cuda or cpu; defaults to cuda when available")
+    context_length: int | None = _opt(None, "max tokens per sequence; defaults to the model's")
+    attention_backend: str = _opt("torch", "attention implementation: torch")
+    load_format: str = _opt("auto", "auto: weights from the checkpoint; dummy: random weights")
+    random_seed: int = _opt(0, "seed for requests that give none of their own")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"dtype must be one of auto, bfloat16, float16, float32, got {self.dtype!r}"
+            )
+        if self.device is not None and self.device.split(":")[0] not in ("cuda", "cpu"):
+            raise ValueError(f"device must be cuda or cpu, got {self.device!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    max_total_tokens: int | None = _opt(
+        None, "KV pool size in tokens; defaults to mem_fraction of free GPU memory (4096 on CPU)"
+    )
+    mem_fraction: float = _opt(0.85, "fraction of free GPU memory for weights, KV and graphs")
+    disable_radix_cache: bool = _opt(False, "turn the radix prefix cache off")
+
+    def __post_init__(self) -> None:
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction < 1.0:
+            raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    chunked_prefill_size: int = _opt(8192, "max prompt tokens prefilled in one step")
+    max_running_requests: int = _opt(256, "max requests decoding at once")
+    max_prefill_tokens: int = _opt(16384, "token budget of one prefill step, prefixes excluded")
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: ModelOptions
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineOptions:
+        """Builds the options from flat keyword arguments; unknown names raise TypeError."""
+        parts: dict[str, dict[str, Any]] = {}
+        for name, part_cls in _PARTS.items():
+            names = {f.name for f in dataclasses.fields(part_cls)}
+            parts[name] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        if kwargs:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
+        return cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
+
+
+_PARTS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions}
+
+
+def option_fields() -> list[dataclasses.Field]:
+    """Every flat option, in declaration order (for the CLI)."""
+    return [f for part in _PARTS.values() for f in dataclasses.fields(part)]

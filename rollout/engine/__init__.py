@@ -1,0 +1,1 @@
+"""The serving stack: tokenizer manager, scheduler, model runner, detokenizer."""

@@ -1,0 +1,57 @@
+"""The attention-backend contract.
+
+Models never touch KV memory directly: each attention layer hands its projected q, k, v to
+the backend of the current ForwardBatch, which stores the new tokens' K/V at
+`fb.out_cache_loc` and attends over each request's whole sequence (cached prefix + new
+tokens, causal among the new ones). Backends differ only in how they do that; the
+scheduler and the models are the same for all of them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from rollout.engine.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    def prepare(self, fb: ForwardBatch) -> None:
+        """Called once per forward before any layer runs: build per-batch metadata here."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """q: [T, H, D], k and v: [T, Hkv, D] for the new tokens. Stores k, v in the KV pool
+        for `layer.layer_id`, then returns the attention output [T, H, D]."""
+
+
+class Attention(nn.Module):
+    """The attention op of one layer; the model does projections, norms and rotary itself."""
+
+    def __init__(
+        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        # q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]
+        t = q.shape[0]
+        out = fb.attn_backend.forward(
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+            self,
+            fb,
+        )
+        return out.reshape(t, self.num_heads * self.head_dim)

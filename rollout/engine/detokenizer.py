@@ -1,0 +1,114 @@
+"""Detokenizer: turns each request's new token ids into a text delta, incrementally.
+
+Only a small window of ids is decoded per step (the prefix/read offsets of the seed design),
+so the cost per token stays flat however long the output grows. A delta that ends inside a
+multi-byte character waits for the next token. With stop strings, the last len(stop) - 1
+characters are held back until it is certain they don't begin a stop string; at the end the
+text is cut before the stop string. Joining a stream's deltas gives the final text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.engine.messages import DecodeParams, ReqOutput
+
+REPLACEMENT = "\ufffd"
+
+
+@dataclass
+class DecodeState:
+    params: DecodeParams
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""  # everything decoded so far
+    sent: int = 0  # characters of `text` already sent
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, DecodeState] = {}
+
+    def process(self, out: ReqOutput) -> None:
+        """Fills `out.text` with the request's new text; forgets the request once finished."""
+        state = self.states.get(out.rid)
+        if state is None:
+            state = DecodeState(out.decode_params or DecodeParams())
+            self.states[out.rid] = state
+        reason = out.finish_reason or {}
+        new_ids = out.new_ids
+        if (
+            reason.get("type") == "stop"
+            and isinstance(reason.get("matched"), int)
+            and not state.params.no_stop_trim
+            and new_ids
+        ):
+            new_ids = new_ids[:-1]  # the stop token itself is not part of the text
+        state.ids.extend(new_ids)
+        self._decode(state, final=out.finish_reason is not None)
+        end = len(state.text)
+        if out.finish_reason is not None:
+            if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
+                if not state.params.no_stop_trim:
+                    at = state.text.find(reason["matched"])
+                    end = at if at >= 0 else end
+            del self.states[out.rid]
+        elif state.params.stop:
+            end -= max(len(s) for s in state.params.stop) - 1
+        end = max(end, state.sent)
+        out.text = state.text[state.sent : end]
+        state.sent = end
+
+    def _decode(self, state: DecodeState, final: bool) -> None:
+        p = state.params
+        kw = {
+            "skip_special_tokens": p.skip_special_tokens,
+            "spaces_between_special_tokens": p.spaces_between_special_tokens,
+        }
+        if state.read_offset == len(state.ids):
+            return
+        before = self.tokenizer.decode(state.ids[state.prefix_offset : state.read_offset], **kw)
+        after = self.tokenizer.decode(state.ids[state.prefix_offset :], **kw)
+        # A trailing replacement character is an incomplete character: wait for more ids.
+        if len(after) > len(before) and (final or not after.endswith(REPLACEMENT)):
+            state.text += after[len(before) :]
+            state.prefix_offset = state.read_offset
+            state.read_offset = len(state.ids)
+
+
+def run_detokenizer_process(tokenizer_path: str, addrs: Any, parent_pid: int) -> None:
+    """Process entry: forwards every message from the scheduler to the tokenizer manager,
+    filling in text on the way. Exits on the scheduler's shutdown reply or its failure."""
+    import zmq
+    from transformers import AutoTokenizer
+
+    from rollout.engine.messages import ControlReply, ReqOutputBatch, SchedulerFailed
+    from rollout.engine.processes import watch_parent
+
+    watch_parent(parent_pid)
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(addrs.detokenizer)
+    send = ctx.socket(zmq.PUSH)
+    send.connect(addrs.tokenizer_manager)
+    try:
+        detok = Detokenizer(AutoTokenizer.from_pretrained(tokenizer_path))
+    except Exception as e:  # noqa: BLE001 - reported to the caller, who raises it
+        send.send_pyobj(SchedulerFailed(f"detokenizer failed to start: {e!r}"))
+        return
+    while True:
+        msg = recv.recv_pyobj()
+        if isinstance(msg, ReqOutputBatch):
+            for out in msg.outputs:
+                detok.process(out)
+        send.send_pyobj(msg)
+        if isinstance(msg, SchedulerFailed) or (
+            isinstance(msg, ControlReply) and msg.result == "shutdown"
+        ):
+            break
+    send.close(linger=1000)
+    recv.close(linger=0)
+    ctx.term()

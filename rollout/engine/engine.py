@@ -1,0 +1,223 @@
+"""RolloutEngine: the in-process entry point.
+
+It starts the scheduler and detokenizer subprocesses and runs the TokenizerManager on an
+event loop of its own, in a background thread, so the synchronous API works anywhere (also
+inside Jupyter or another event loop) and `async_generate` works from any loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+from rollout.config import EngineOptions
+from rollout.engine.processes import Addresses, start_process, stop_process
+from rollout.engine.request_validation import GenerateInput, build_inputs
+
+_END = object()
+
+
+class RolloutEngine:
+    def __init__(self, model_path: str, **options: Any) -> None:
+        if not os.path.isdir(model_path) or not os.path.exists(os.path.join(model_path, "config.json")):
+            raise FileNotFoundError(f"model_path must be a checkpoint directory with config.json, got {model_path!r}")
+        self.options = EngineOptions.from_kwargs(model_path=model_path, **options)
+        from transformers import AutoTokenizer
+
+        from rollout.engine.detokenizer import run_detokenizer_process
+        from rollout.engine.scheduler_process import run_scheduler_process
+        from rollout.engine.tokenizer_manager import TokenizerManager
+
+        tok_path = self.options.model.tokenizer_path or model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
+        self._addrs = Addresses.fresh()
+        self._procs = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-tm", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self._tm = self._call(self._make_tm(TokenizerManager))
+            pid = os.getpid()
+            self._procs.append(
+                start_process(run_scheduler_process, (self.options, self._addrs, pid), "rollout-scheduler")
+            )
+            self._procs.append(
+                start_process(run_detokenizer_process, (tok_path, self._addrs, pid), "rollout-detokenizer")
+            )
+            self.info = self._call(self._tm.start())
+        except BaseException:
+            self.shutdown()
+            raise
+
+    async def _make_tm(self, cls: Any) -> Any:
+        # Created on the engine's loop: its zmq.asyncio sockets belong to that loop.
+        alive = lambda: all(p.is_alive() for p in self._procs)  # noqa: E731
+        return cls(self.tokenizer, self._addrs, self.options.model.random_seed, alive)
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # ---- generation -----------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        token_ids_logprob: list[int] | None = None,
+        return_hidden_states: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """One prompt gives a dict, a list (or n > 1) a list of dicts, stream=True an iterator."""
+        inputs, batched = self._inputs(
+            prompt,
+            input_ids,
+            sampling_params,
+            rid,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob,
+            return_hidden_states=return_hidden_states,
+            stream=stream,
+        )
+        if stream:
+            return self._stream_sync(inputs[0])
+        results = self._call(self._gather(inputs))
+        return results if batched else results[0]
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        token_ids_logprob: list[int] | None = None,
+        return_hidden_states: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        """As generate, awaited; with stream=True, an async iterator. Cancelling aborts."""
+        inputs, batched = self._inputs(
+            prompt,
+            input_ids,
+            sampling_params,
+            rid,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob,
+            return_hidden_states=return_hidden_states,
+            stream=stream,
+        )
+        if stream:
+            return self._stream_async(inputs[0])
+        results = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop))
+        return results if batched else results[0]
+
+    def _inputs(self, *args: Any, **kw: Any) -> tuple[list[GenerateInput], bool]:
+        self._check_open()
+        return build_inputs(self.tokenizer, *args, **kw)
+
+    async def _gather(self, inputs: list[GenerateInput]) -> list[dict]:
+        async def one(inp: GenerateInput) -> dict:
+            last = None
+            async for out in self._tm.generate(inp):
+                last = out
+            return last
+
+        tasks = [asyncio.ensure_future(one(inp)) for inp in inputs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    def _stream_sync(self, inp: GenerateInput) -> Iterator[dict]:
+        q: queue.Queue = queue.Queue()
+        fut = asyncio.run_coroutine_threadsafe(self._pump(inp, q.put), self._loop)
+        return self._drain_sync(q, fut)
+
+    @staticmethod
+    def _drain_sync(q: queue.Queue, fut: Future) -> Iterator[dict]:
+        try:
+            while (item := q.get()) is not _END:
+                yield item
+            fut.result()  # re-raises the request's error, if any
+        finally:
+            fut.cancel()  # the consumer stopped early: abort the request
+
+    async def _stream_async(self, inp: GenerateInput) -> AsyncIterator[dict]:
+        caller = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        put = lambda item: caller.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
+        fut = asyncio.run_coroutine_threadsafe(self._pump(inp, put), self._loop)
+        try:
+            while (item := await q.get()) is not _END:
+                yield item
+            await asyncio.wrap_future(fut)
+        finally:
+            fut.cancel()
+
+    async def _pump(self, inp: GenerateInput, put: Any) -> None:
+        try:
+            async for out in self._tm.generate(inp):
+                put(out)
+        finally:
+            put(_END)
+
+    # ---- control --------------------------------------------------------------------------
+    def flush_cache(self) -> dict:
+        self._check_open()
+        return self._call(self._tm.control("flush_cache"))
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self._check_open()
+        self._call(self._tm.abort(rid, abort_all))
+
+    def get_server_info(self) -> dict:
+        self._check_open()
+        return self._call(self._tm.control("get_server_info"))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+
+    def shutdown(self) -> None:
+        """Stops the subprocesses and the background loop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        tm = getattr(self, "_tm", None)
+        if tm is not None and self._loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(tm.shutdown(), self._loop).result(timeout=15)
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                pass
+        for proc in self._procs:
+            stop_process(proc, timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._addrs.cleanup()
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.shutdown()

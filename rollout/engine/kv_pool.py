@@ -1,0 +1,99 @@
+"""Paged KV storage: one slot per token, and the request -> slot table.
+
+Slot 0 of the KV pool is never handed out: padded positions (CUDA-graph replay, dummy
+requests) write there, so no real token's KV is ever overwritten by padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V buffers for every layer: `k[layer]`, `v[layer]` are [num_slots + 1, kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes the new tokens' K/V. loc: [T]; k, v: [T, kv_heads, head_dim]."""
+        self.k[layer_id][loc] = k.to(self.dtype)
+        self.v[layer_id][loc] = v.to(self.dtype)
+
+
+class SlotAllocator:
+    """Free list of KV slots 1..num_slots. Who allocates a slot frees it (or hands it to the radix cache)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.clear()
+
+    def clear(self) -> None:
+        self._free = torch.arange(1, self.num_slots + 1, dtype=torch.int64)
+        self._num_free = self.num_slots
+
+    def available(self) -> int:
+        return self._num_free
+
+    def allocate(self, n: int) -> torch.Tensor | None:
+        """Returns n free slots (int64, CPU), or None when fewer than n are free."""
+        if n > self._num_free:
+            return None
+        start = self._num_free - n
+        out = self._free[start : self._num_free].clone()
+        self._num_free = start
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        n = slots.numel()
+        if n == 0:
+            return
+        if self._num_free + n > self.num_slots:
+            raise RuntimeError("freeing more KV slots than were allocated")
+        self._free[self._num_free : self._num_free + n] = slots.to(torch.int64).cpu()
+        self._num_free += n
+
+
+class ReqToTokenPool:
+    """Row r of `table` holds the KV slots of request r's tokens, in sequence order."""
+
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device | str) -> None:
+        self.max_reqs = max_reqs
+        self.max_context = max_context
+        self.table = torch.zeros((max_reqs, max_context), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def allocate(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start : start + slots.numel()] = slots.to(self.table.device)
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        return self.table[row, start:end]

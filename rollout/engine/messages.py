@@ -1,0 +1,98 @@
+"""The messages that cross process boundaries (pickled over ZMQ between our own processes).
+
+tokenizer manager -> scheduler:   TokenizedRequest, AbortRequest, ControlRequest
+scheduler -> detokenizer:         ReqOutputBatch, ControlReply, SchedulerReady, SchedulerFailed
+detokenizer -> tokenizer manager: the same, with `ReqOutput.text` filled in
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int | None = None  # None: no prompt logprobs
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_hidden_states: bool = False
+    stream: bool = False
+
+
+@dataclass
+class AbortRequest:
+    rid: str | None = None
+    abort_all: bool = False
+
+
+@dataclass
+class ControlRequest:
+    """A call answered in order with the requests around it (flush_cache, get_server_info, ...)."""
+
+    call_id: int
+    method: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ControlReply:
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+@dataclass
+class SchedulerReady:
+    info: dict[str, Any]
+
+
+@dataclass
+class SchedulerFailed:
+    """The scheduler died; `error` is its traceback. Every pending call fails with it."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclass
+class ReqOutput:
+    """What is new for one request since its last ReqOutput (token ids and logprobs are deltas)."""
+
+    rid: str
+    new_ids: list[int]
+    finish_reason: dict[str, Any] | None  # {"type": "stop"|"length"|"abort", "matched": ...}
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    weight_version: str
+    output_token_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    hidden_states: list[list[float]] | None = None
+    # On a request's first output only: how the detokenizer turns its ids into text.
+    decode_params: DecodeParams | None = None
+    # Filled in by the detokenizer:
+    text: str = ""  # delta since the last ReqOutput
+
+
+@dataclass
+class ReqOutputBatch:
+    outputs: list[ReqOutput]

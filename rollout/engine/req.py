@@ -1,0 +1,82 @@
+"""Scheduler-side state: `Req` (one request) and `ScheduleBatch` (the requests of one step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout.engine.forward_batch import ForwardMode
+from rollout.engine.messages import TokenizedRequest
+
+
+@dataclass
+class Req:
+    """One sequence. Its KV: slots of tokens [0, prefix_len) belong to the radix cache (locked via
+    `locked_node`); slots of [prefix_len, kv_len) belong to the request. Row `row` of the
+    req->token table lists them. The last token of `ids` has no KV until the next forward."""
+
+    req: TokenizedRequest
+    max_new_tokens: int  # already clamped to the context length
+    output_ids: list[int] = field(default_factory=list)
+    row: int | None = None
+    prefix_len: int = 0
+    kv_len: int = 0
+    locked_node: Any = None
+    cached_tokens: int = 0
+    finish_reason: dict[str, Any] | None = None
+    # Deltas not yet sent to the detokenizer.
+    sent_ids: int = 0
+    reported: bool = False
+    input_logprobs_done: bool = False
+    pending: dict[str, list] = field(default_factory=dict)
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.req.input_ids
+
+    @property
+    def ids(self) -> list[int]:
+        return self.req.input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def wants_prompt_logprobs(self) -> bool:
+        return (
+            self.req.return_logprob
+            and self.req.logprob_start_len is not None
+            and not self.input_logprobs_done
+        )
+
+    def max_cacheable_prefix(self) -> int:
+        """Longest prefix that may come from the cache: at least one token must be computed
+        (its logits sample the next token), and prompt logprobs need their positions' logits."""
+        limit = len(self.ids) - 1
+        if self.wants_prompt_logprobs():
+            limit = min(limit, max(self.req.logprob_start_len, 1) - 1)
+        return max(limit, 0)
+
+    def add_pending(self, key: str, value: Any) -> None:
+        self.pending.setdefault(key, []).append(value)
+
+
+@dataclass
+class ScheduleBatch:
+    """One step's work: which requests, and how many new tokens each computes."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]  # new tokens per request (1 in decode)
+    out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64 KV slots for the new tokens
+
+    def samples(self, i: int) -> bool:
+        """Does request i sample a token after this step (its whole sequence now has KV)?"""
+        req = self.reqs[i]
+        return req.kv_len + self.extend_lens[i] == len(req.ids)

@@ -1,0 +1,129 @@
+"""Turns `generate(...)` arguments into validated single-sample requests, with clear errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rollout.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateInput:
+    """One sample to generate: prompt ids plus options. `n` is already expanded."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_hidden_states: bool = False
+    stream: bool = False
+
+
+def _as_params(value: Any) -> SamplingParams:
+    if value is None:
+        return SamplingParams()
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, dict):
+        return SamplingParams.from_dict(value)
+    raise TypeError(f"sampling_params must be a dict or SamplingParams, got {type(value).__name__}")
+
+
+def _is_id_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def build_inputs(
+    tokenizer: Any,
+    prompt: str | list[str] | None,
+    input_ids: list[int] | list[list[int]] | None,
+    sampling_params: Any,
+    rid: str | list[str] | None,
+    **options: Any,
+) -> tuple[list[GenerateInput], bool]:
+    """Returns the expanded samples (prompt-major, n per prompt) and whether the call was batched."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt or input_ids")
+    if prompt is not None:
+        batched = isinstance(prompt, list)
+        texts = prompt if batched else [prompt]
+        for t in texts:
+            if not isinstance(t, str):
+                raise TypeError(f"prompt must be a str or a list of str, got {type(t).__name__}")
+            if not t:
+                raise ValueError("prompt is empty")
+        ids_list = [tokenizer.encode(t) for t in texts]
+    else:
+        batched = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        ids_list = input_ids if batched else [input_ids]
+        for ids in ids_list:
+            if not _is_id_list(ids):
+                raise TypeError("input_ids must be a list of int or a list of lists of int")
+    for ids in ids_list:
+        if not ids:
+            raise ValueError("prompt is empty (no input ids)")
+
+    if isinstance(sampling_params, list):
+        if len(sampling_params) != len(ids_list):
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries for {len(ids_list)} prompts"
+            )
+        params_list = [_as_params(p) for p in sampling_params]
+    else:
+        params_list = [_as_params(sampling_params)] * len(ids_list)
+    rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
+    if len(rids) != len(ids_list):
+        raise ValueError(f"rid has {len(rids)} entries for {len(ids_list)} prompts")
+
+    logprob_start_len = options.get("logprob_start_len")
+    if logprob_start_len is not None and logprob_start_len < 0:
+        logprob_start_len = None  # SGLang's -1: no prompt logprobs
+    top = options.get("top_logprobs_num") or 0
+    if not isinstance(top, int) or top < 0:
+        raise ValueError(f"top_logprobs_num must be an int >= 0, got {top!r}")
+    token_ids_logprob = options.get("token_ids_logprob")
+    if token_ids_logprob is not None and not _is_id_list(token_ids_logprob):
+        raise TypeError("token_ids_logprob must be a list of int")
+
+    out: list[GenerateInput] = []
+    for ids, params, r in zip(ids_list, params_list, rids):
+        if logprob_start_len is not None and logprob_start_len >= len(ids):
+            raise ValueError(
+                f"logprob_start_len must be < the prompt length {len(ids)}, got {logprob_start_len}"
+            )
+        for i in range(params.n):
+            sample_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                sample_params = replace(params, n=1, seed=seed)
+            out.append(
+                GenerateInput(
+                    input_ids=list(ids),
+                    params=sample_params,
+                    rid=None if r is None else (r if params.n == 1 else f"{r}-{i}"),
+                    return_logprob=bool(options.get("return_logprob")),
+                    logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top,
+                    token_ids_logprob=token_ids_logprob,
+                    return_hidden_states=bool(options.get("return_hidden_states")),
+                    stream=bool(options.get("stream")),
+                )
+            )
+    if out[0].stream and len(out) > 1:
+        raise ValueError("stream=True takes one prompt with n=1; stream each sample separately")
+    return out, batched or len(out) > 1
+
+
+def validate_input_ids(ids: list[int], vocab_size: int, context_length: int) -> None:
+    if len(ids) >= context_length:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens, which leaves no room in the context of "
+            f"{context_length} tokens"
+        )
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got {bad[:5]}")

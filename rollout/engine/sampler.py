@@ -1,0 +1,207 @@
+"""Batched sampling without host syncs: penalties, min-token bans, temperature, top-k, top-p,
+min-p, then Gumbel-max with noise hashed from (seed, step, token id).
+
+A row's token depends only on its own logits, seed and step: never on the other rows of the
+batch nor on torch's global RNG. Python branches only on host-known flags of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rollout.engine.sampling_params import SamplingParams
+
+# Rows are filtered and sampled in chunks of about this many logits, which bounds the
+# [rows, V] int64 temporaries (sort indices, hash state) to 128 MiB each.
+_CHUNK_ELEMS = 1 << 24
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """A 64-bit pattern as the signed int64 torch stores."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+
+
+@dataclass
+class SamplingBatch:
+    """The tensors of one sampling step for B requests, built on the host by `build`.
+    (rows, ids) pairs index the [B, V] logits; None means no request needs that step."""
+
+    temperatures: Tensor  # [B, 1] float32; 1.0 on greedy rows (they take the argmax)
+    greedy: Tensor  # [B] bool
+    top_ks: Tensor  # [B] int64, V when off
+    top_ps: Tensor  # [B] float32
+    min_ps: Tensor  # [B] float32
+    seeds: Tensor  # [B] int64
+    steps: Tensor  # [B] int64, tokens the request has generated so far
+    repetition_penalties: Tensor  # [B] float32
+    frequency_penalties: Tensor  # [B, 1] float32
+    presence_penalties: Tensor  # [B, 1] float32
+    seen: tuple[Tensor, Tensor] | None  # [N] rows, [N] ids: prompt+output tokens (repeats ok)
+    generated: tuple[Tensor, Tensor] | None  # one pair per output token (repeats count)
+    banned: tuple[Tensor, Tensor] | None  # EOS/stop ids while output < min_new_tokens
+    all_greedy: bool
+    any_greedy: bool
+    top_k_max: int  # largest top_k of the rows that use one; 0 if none does
+    use_top_p: bool
+    use_min_p: bool
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        seeds: list[int],
+        output_ids: list[list[int]],
+        prompt_ids: list[list[int]],
+        eos_token_ids: list[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """All lists are per request, in row order. Seeds are any Python ints (taken mod 2^64).
+        Copies to `device` are non-blocking: building never waits for the device."""
+        V = vocab_size
+
+        def put(values: list | np.ndarray, dtype: torch.dtype) -> Tensor:
+            return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        def pairs(rows: list[int], id_lists: list[list[int]]) -> tuple[Tensor, Tensor] | None:
+            lens = [len(ids) for ids in id_lists]
+            if sum(lens) == 0:
+                return None
+            # np.fromiter is ~4x faster than torch.tensor on a long flat Python list.
+            ids = np.fromiter(chain.from_iterable(id_lists), dtype=np.int64, count=sum(lens))
+            row_ids = np.repeat(np.asarray(rows, dtype=np.int64), lens)
+            return put(row_ids, torch.int64), put(ids, torch.int64)
+
+        greedy = [p.is_greedy for p in params]
+        top_ks = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
+        rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        gen = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
+        ban = [i for i, p in enumerate(params) if len(output_ids[i]) < p.min_new_tokens]
+        ban_ids = [
+            sorted({t for t in eos_token_ids + params[i].stop_token_ids if t < V}) for i in ban
+        ]
+        return cls(
+            temperatures=put(
+                [[1.0 if g else p.temperature] for p, g in zip(params, greedy, strict=True)],
+                torch.float32,
+            ),
+            greedy=put(greedy, torch.bool),
+            top_ks=put(top_ks, torch.int64),
+            top_ps=put([p.top_p for p in params], torch.float32),
+            min_ps=put([p.min_p for p in params], torch.float32),
+            seeds=put([_i64(s) for s in seeds], torch.int64),
+            steps=put([len(ids) for ids in output_ids], torch.int64),
+            repetition_penalties=put([p.repetition_penalty for p in params], torch.float32),
+            frequency_penalties=put([[p.frequency_penalty] for p in params], torch.float32),
+            presence_penalties=put([[p.presence_penalty] for p in params], torch.float32),
+            seen=pairs(rep, [prompt_ids[i] + output_ids[i] for i in rep]),
+            generated=pairs(gen, [output_ids[i] for i in gen]),
+            banned=pairs(ban, ban_ids),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            top_k_max=max((k for k in top_ks if k < V), default=0),
+            use_top_p=any(p.top_p < 1 for p in params),
+            use_min_p=any(p.min_p > 0 for p in params),
+        )
+
+
+def apply_penalties_and_masks(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """logits: [B, V] float32, modified in place and returned. Repetition penalty divides
+    positive (multiplies negative) logits of prompt+output tokens; frequency and presence
+    penalties subtract count * f and p from output tokens; banned tokens become -inf."""
+    if batch.seen is not None:
+        rows, ids = batch.seen
+        vals = logits[rows, ids]  # [N]; duplicates all write the same value back
+        penalty = batch.repetition_penalties[rows]
+        logits[rows, ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    if batch.generated is not None:
+        rows, ids = batch.generated
+        counts = torch.zeros_like(logits)  # [B, V]
+        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=logits.dtype), accumulate=True)
+        present = counts > 0
+        logits -= counts.mul_(batch.frequency_penalties)
+        logits -= present * batch.presence_penalties
+    if batch.banned is not None:
+        logits[batch.banned] = float("-inf")
+    return logits
+
+
+def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """logits: [B, V] float32 (penalized in place). Returns [B] int64 token ids: the argmax on
+    greedy rows, else a draw from softmax(logits / T) restricted by top-k, top-p, min-p."""
+    apply_penalties_and_masks(logits, batch)
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    B, V = logits.shape
+    step = max(1, _CHUNK_ELEMS // V)
+    tokens = torch.cat(
+        [_sample_rows(logits[i : i + step], batch, slice(i, i + step)) for i in range(0, B, step)]
+    )
+    if batch.any_greedy:
+        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
+    return tokens
+
+
+def _sample_rows(logits: Tensor, batch: SamplingBatch, rows: slice) -> Tensor:
+    """logits: [R, V] for batch rows `rows`. Returns [R] int64 sampled ids."""
+    x = logits / batch.temperatures[rows]  # [R, V]
+    neg_inf = float("-inf")
+    if batch.top_k_max:
+        k = batch.top_ks[rows, None]  # [R, 1]
+        kth = x.topk(batch.top_k_max, dim=-1).values  # [R, K] descending
+        cut = kth.gather(1, (k - 1).clamp(max=batch.top_k_max - 1))
+        x.masked_fill_(x < torch.where(k <= batch.top_k_max, cut, neg_inf), neg_inf)
+    if batch.use_top_p:
+        top_p = batch.top_ps[rows, None]  # [R, 1]
+        probs = x.softmax(dim=-1)
+        sorted_p = probs.sort(dim=-1, descending=True).values
+        # Keep the most likely tokens until their mass reaches top_p (the first always stays).
+        n_keep = ((sorted_p.cumsum(dim=-1) - sorted_p) < top_p).sum(dim=-1, keepdim=True)
+        cut = torch.where(top_p < 1, sorted_p.gather(1, n_keep - 1), 0.0)
+        x.masked_fill_(probs < cut, neg_inf)
+    if batch.use_min_p:
+        # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p)
+        floor = x.amax(dim=-1, keepdim=True) + batch.min_ps[rows, None].log()
+        x.masked_fill_(x < floor, neg_inf)
+    x += gumbel_noise(batch.seeds[rows], batch.steps[rows], x.shape[-1])
+    return x.argmax(dim=-1)
+
+
+def gumbel_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """seeds, steps: [R] int64. Returns [R, V] float32 standard Gumbel noise, always finite;
+    element (r, t) is a pure function of (seeds[r], steps[r], t), whatever the batch."""
+    key = _mix64_(_mix64_(seeds + _GOLDEN) ^ steps)  # [R]
+    offsets = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device) * _GOLDEN
+    # [R, V]: the splitmix64 stream seeded with `key`. Its last step (z ^= z >>> 31) leaves the
+    # top 31 bits as they are, and only the top 23 are used: skip it.
+    bits = _mix64_(key[:, None] + offsets, rounds=2)
+    return _gumbel_from_top_bits(bits)
+
+
+def _gumbel_from_top_bits(bits: Tensor) -> Tensor:
+    """The top 23 bits of int64 `bits` -> Gumbel float32. The arithmetic shift gives a signed
+    v in [-2^22, 2^22); u = (v + 2^22 + 1/2) / 2^23 is exact in float32 and never 0 or 1."""
+    u = (bits >> 41).float().add_(2**22 + 0.5).mul_(2.0**-23)
+    return u.log_().neg_().log_().neg_()
+
+
+def _mix64_(z: Tensor, rounds: int = 3) -> Tensor:
+    """splitmix64's finalizer on int64 with wraparound, in place (callers pass a fresh tensor).
+    `>>` is arithmetic in torch, so each shift is masked to be logical."""
+    for shift, mult in ((30, _MIX1), (27, _MIX2), (31, None))[:rounds]:
+        z ^= (z >> shift).bitwise_and_((1 << (64 - shift)) - 1)
+        if mult is not None:
+            z *= mult
+    return z

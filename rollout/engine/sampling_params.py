@@ -1,0 +1,129 @@
+"""SamplingParams: how one request samples its tokens (SGLang's names and defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """Validated and normalized on construction: every bad field raises ValueError naming the
+    field, the allowed values and the value got. After construction `stop` and
+    `stop_token_ids` are lists and every float field holds a float."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens exist
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output tokens
+    frequency_penalty: float = 0.0  # over output tokens, times their count
+    presence_penalty: float = 0.0  # over output tokens, once each
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False  # EOS does not finish the request (min_new_tokens still bans it)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the matched stop string in the output text
+    n: int = 1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, lambda x: x >= 0, ">= 0")
+        _check_int("min_new_tokens", self.min_new_tokens, lambda x: x >= 0, ">= 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_new_tokens}"
+            )
+        self.temperature = _float("temperature", self.temperature, lambda x: x >= 0, ">= 0")
+        self.top_p = _float("top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
+        _check_int("top_k", self.top_k, lambda x: x == -1 or x >= 1, "-1 (off) or >= 1")
+        self.min_p = _float("min_p", self.min_p, lambda x: 0 <= x <= 1, "in [0, 1]")
+        self.repetition_penalty = _float(
+            "repetition_penalty", self.repetition_penalty, lambda x: x > 0, "> 0"
+        )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = _float(name, getattr(self, name), lambda x: -2 <= x <= 2, "in [-2, 2]")
+            setattr(self, name, value)
+        self.stop = _stop_list(self.stop)
+        self.stop_token_ids = _token_id_list(self.stop_token_ids)
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int("n", self.n, lambda x: x >= 1, ">= 1")
+        if self.seed is not None:
+            _check_int("seed", self.seed, lambda x: True, "an int or None")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Builds from a JSON-style dict (None: all defaults). Unknown keys raise ValueError."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling params must be a dict, got {type(d).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(k for k in d if k not in valid)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
+                f"valid ones are: {', '.join(valid)}"
+            )
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (lists copied) that `from_dict` turns back into equal params."""
+        return dataclasses.asdict(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+)
+
+
+def _check_int(name: str, value: Any, ok: Callable[[int], bool], allowed: str) -> None:
+    # NOTE: bool is a subclass of int; `top_k=True` is a bug in the caller, not 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if not ok(value):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def _float(name: str, value: Any, ok: Callable[[float], bool], allowed: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def _stop_list(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return list(stops)
+
+
+def _token_id_list(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+    ):
+        raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+    return list(ids)

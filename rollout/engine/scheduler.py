@@ -1,0 +1,250 @@
+"""Scheduler: continuous batching over one ModelRunner.
+
+Each step is either a prefill (new requests and chunks of long prompts, under a token budget)
+or a decode (one token for every running request). Prefill goes first, as in SGLang. When
+the KV pool runs dry during decode, the newest running requests are retracted to the front of
+the queue and later re-prefilled (their computed KV stays in the prefix cache while it lasts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from rollout.config import EngineOptions
+from rollout.engine.forward_batch import ForwardMode
+from rollout.engine.kv_manager import KVManager
+from rollout.engine.messages import AbortRequest, DecodeParams, ReqOutput, TokenizedRequest
+from rollout.engine.model_runner import ModelRunner, ReqStepOutput
+from rollout.engine.req import Req, ScheduleBatch
+from rollout.engine.stop_checker import StopChecker
+
+logger = logging.getLogger(__name__)
+
+# Decode tokens reserved per running request before a new prompt is admitted: keeps
+# admission from immediately forcing a retraction.
+DECODE_RESERVE = 16
+# Requests in one prefill whose next uncomputed tokens agree on this many ids share them:
+# all but the first wait a step and take the KV from the cache (n samples of one prompt).
+SHARED_HEAD = 16
+
+
+class Scheduler:
+    def __init__(self, options: EngineOptions, runner: ModelRunner, stop_checker: StopChecker) -> None:
+        self.options = options.scheduler
+        self.runner = runner
+        self.stop_checker = stop_checker
+        self.kv = KVManager(runner.num_slots, runner.req_to_token, options.cache.disable_radix_cache)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # mid-prefill; continues first in the next prefill
+        self.to_report: list[Req] = []  # finished, or streaming with new tokens
+        self.weight_version = "default"
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0}
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def add_request(self, treq: TokenizedRequest) -> None:
+        budget = self.runner.context_length - len(treq.input_ids)
+        req = Req(req=treq, max_new_tokens=min(treq.params.max_new_tokens, max(budget, 0)))
+        self.waiting.append(req)
+
+    def abort(self, msg: AbortRequest) -> None:
+        for req in self._live():
+            if msg.abort_all or req.rid == msg.rid:
+                self._finish(req, {"type": "abort", "message": "aborted by request"})
+        self.waiting = deque(r for r in self.waiting if not r.finished)
+        self.running = [r for r in self.running if not r.finished]
+        if self.chunked is not None and self.chunked.finished:
+            self.chunked = None
+
+    def _live(self) -> list[Req]:
+        chunk = [self.chunked] if self.chunked is not None else []
+        return [*self.waiting, *self.running, *chunk]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def flush_cache(self) -> dict:
+        if self.has_work():
+            return {"success": False, "message": "cannot flush the cache while requests are running"}
+        self.kv.flush()
+        return {"success": True, "message": ""}
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Runs one batch if there is work; returns the requests with something to report."""
+        batch = self._plan_prefill() or self._plan_decode()
+        if batch is not None:
+            outs = self.runner.forward(batch)
+            self._apply(batch, outs)
+        done, self.to_report = self.to_report, []
+        return done
+
+    def _plan_prefill(self) -> ScheduleBatch | None:
+        budget = min(self.options.chunked_prefill_size, self.options.max_prefill_tokens)
+        reqs: list[Req] = []
+        lens: list[int] = []
+        slots = []
+        reserve = sum(min(r.max_new_tokens - len(r.output_ids), DECODE_RESERVE) for r in self.running)
+        candidates = ([self.chunked] if self.chunked is not None else []) + list(self.waiting)
+        for req in candidates:
+            if budget <= 0:
+                break
+            is_new = req is not self.chunked
+            if is_new:
+                if len(self.running) + len(reqs) >= self.options.max_running_requests:
+                    break
+                if self._shares_head(req, reqs):
+                    continue
+                if not self.kv.attach(req):
+                    break
+                if req.cached_tokens == 0:
+                    req.cached_tokens = req.kv_len
+            remaining = len(req.ids) - req.kv_len
+            room = self.kv.free_slots() - (reserve if is_new else 0)
+            ext = min(remaining, budget, room)
+            got = self.kv.allocate(req, ext) if ext > 0 else None
+            if got is None:
+                if is_new:
+                    self.kv.release(req)
+                break
+            if is_new:
+                self.waiting.remove(req)
+                if not req.output_ids:
+                    self.stats["prompt_tokens"] += len(req.prompt_ids)
+                    self.stats["cached_tokens"] += req.kv_len
+            reqs.append(req)
+            lens.append(ext)
+            slots.append(got)
+            budget -= ext
+            if ext < remaining:  # only the last request of a prefill may be a partial chunk
+                break
+        if not reqs:
+            return None
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, lens, torch.cat(slots))
+
+    @staticmethod
+    def _shares_head(req: Req, batch: list[Req]) -> bool:
+        """Would `req` compute the same next tokens as a request already in this prefill?"""
+        if len(req.ids) <= 1:
+            return False
+        for other in batch:
+            head = req.ids[other.kv_len : other.kv_len + SHARED_HEAD]
+            if len(head) > 1 and other.ids[other.kv_len : other.kv_len + len(head)] == head:
+                return True
+        return False
+
+    def _plan_decode(self) -> ScheduleBatch | None:
+        while self.running and self.kv.free_slots() < len(self.running):
+            self._retract(self.running.pop())
+        if not self.running:
+            return None
+        slots = [self.kv.allocate(req, 1) for req in self.running]
+        return ScheduleBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running), torch.cat(slots))
+
+    def _retract(self, req: Req) -> None:
+        self.kv.release(req)
+        self.waiting.appendleft(req)
+        self.stats["retractions"] += 1
+        logger.info("retracted %s: KV pool full (%d running)", req.rid, len(self.running))
+
+    # ---- results --------------------------------------------------------------------------
+    def _apply(self, batch: ScheduleBatch, outs: list[ReqStepOutput]) -> None:
+        if batch.mode is ForwardMode.EXTEND:
+            self.chunked = None
+        for req, ext, out in zip(batch.reqs, batch.extend_lens, outs):
+            if req.finished:  # aborted while in the batch
+                continue
+            req.kv_len += ext
+            self._record_prompt_logprobs(req, out)
+            if batch.mode is ForwardMode.EXTEND:
+                self.kv.insert_computed(req)
+                if req.kv_len < len(req.ids):
+                    self.chunked = req
+                    continue
+                req.input_logprobs_done = True
+                if req.max_new_tokens == 0:  # prefill only: prompt logprobs, no sampling
+                    self._finish(req, {"type": "length", "length": 0})
+                    continue
+                self.running.append(req)
+            self._record_token(req, out)
+        self.running = [r for r in self.running if not r.finished]
+
+    def _record_prompt_logprobs(self, req: Req, out: ReqStepOutput) -> None:
+        if out.input_token_logprobs:
+            req.pending.setdefault("input_token_logprobs", []).extend(out.input_token_logprobs)
+            req.pending.setdefault("input_top_logprobs", []).extend(out.input_top_logprobs)
+            req.pending.setdefault("input_token_ids_logprobs", []).extend(out.input_token_ids_logprobs)
+
+    def _record_token(self, req: Req, out: ReqStepOutput) -> None:
+        token = out.next_token
+        assert token is not None
+        req.output_ids.append(token)
+        self.stats["generated_tokens"] += 1
+        if out.token_logprob is not None:
+            req.add_pending("output_token_logprobs", out.token_logprob)
+            req.add_pending("output_top_logprobs", out.top_logprobs)
+            req.add_pending("output_token_ids_logprobs", out.token_ids_logprobs)
+        if out.hidden_state is not None:
+            req.add_pending("hidden_states", out.hidden_state)
+        reason = self.stop_checker.check(req)
+        if reason is None and len(req.output_ids) >= req.max_new_tokens:
+            reason = {"type": "length", "length": len(req.output_ids)}
+        if reason is not None:
+            self._finish(req, reason)
+        elif req.req.stream:
+            self.to_report.append(req)
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        req.finish_reason = reason
+        self.kv.release(req)
+        self.to_report.append(req)
+
+    def make_output(self, req: Req) -> ReqOutput:
+        """The request's news since its last output; clears what it reports."""
+        new_ids = req.output_ids[req.sent_ids :]
+        req.sent_ids = len(req.output_ids)
+        p, req.pending = req.pending, {}
+        decode_params = None
+        if not req.reported:
+            req.reported = True
+            params = req.req.params
+            decode_params = DecodeParams(
+                tuple(params.stop or ()),
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+                params.no_stop_trim,
+            )
+        return ReqOutput(
+            rid=req.rid,
+            new_ids=new_ids,
+            finish_reason=req.finish_reason,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            weight_version=self.weight_version,
+            output_token_logprobs=p.get("output_token_logprobs"),
+            output_top_logprobs=p.get("output_top_logprobs"),
+            output_token_ids_logprobs=p.get("output_token_ids_logprobs"),
+            input_token_logprobs=p.get("input_token_logprobs"),
+            input_top_logprobs=p.get("input_top_logprobs"),
+            input_token_ids_logprobs=p.get("input_token_ids_logprobs"),
+            hidden_states=p.get("hidden_states"),
+            decode_params=decode_params,
+        )
+
+    def server_info(self) -> dict:
+        return {
+            "num_running": len(self.running) + (1 if self.chunked else 0),
+            "num_waiting": len(self.waiting),
+            "max_total_tokens": self.runner.num_slots,
+            "context_length": self.runner.context_length,
+            "weight_version": self.weight_version,
+            "kv_whole": not self.has_work() and self.kv.is_whole(),
+            "time": time.time(),
+            **self.kv.usage(),
+            **self.stats,
+        }

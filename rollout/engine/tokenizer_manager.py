@@ -1,0 +1,185 @@
+"""TokenizerManager: lives in the caller's event loop. Validates and tokenizes requests, sends
+them to the scheduler, and turns the detokenizer's outputs back into SGLang-shaped dicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from rollout.engine.messages import (
+    AbortRequest,
+    ControlReply,
+    ControlRequest,
+    ReqOutput,
+    ReqOutputBatch,
+    SchedulerFailed,
+    SchedulerReady,
+    TokenizedRequest,
+)
+from rollout.engine.output_builder import Accumulated, accumulate, build_output
+from rollout.engine.request_validation import GenerateInput, validate_input_ids
+
+WATCHDOG_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The scheduler or detokenizer process failed; the engine can't serve any more."""
+
+
+@dataclass
+class ReqState:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    created: float = field(default_factory=time.monotonic)
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer: Any, addrs: Any, random_seed: int, is_alive: Callable[[], bool]) -> None:
+        self.tokenizer = tokenizer
+        self.is_alive = is_alive
+        self.random_seed = random_seed
+        self._seed_counter = itertools.count()
+        self._call_ids = itertools.count()
+        self.ctx = zmq.asyncio.Context()
+        self.send = self.ctx.socket(zmq.PUSH)
+        self.send.connect(addrs.scheduler)
+        self.recv = self.ctx.socket(zmq.PULL)
+        self.recv.bind(addrs.tokenizer_manager)
+        self.states: dict[str, ReqState] = {}
+        self.calls: dict[int, asyncio.Future] = {}
+        self.info: dict[str, Any] = {}
+        self.dead: str | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    async def start(self) -> dict[str, Any]:
+        """Waits for the scheduler to load the model; raises its error if it fails."""
+        while True:
+            if await self.recv.poll(int(WATCHDOG_S * 1000)):
+                msg = await self.recv.recv_pyobj()
+                if isinstance(msg, SchedulerReady):
+                    self.info = msg.info
+                    self._loop_task = asyncio.get_running_loop().create_task(self._recv_loop())
+                    return self.info
+                if isinstance(msg, SchedulerFailed):
+                    raise EngineDeadError(f"the engine failed to start:\n{msg.error}")
+            elif not self.is_alive():
+                raise EngineDeadError("the engine's subprocess exited during startup")
+
+    # ---- requests -------------------------------------------------------------------------
+    def next_seed(self) -> int:
+        return (self.random_seed * 1_000_003 + next(self._seed_counter)) & 0x7FFFFFFF
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
+        """Yields output dicts for one (already validated, single-sample) request: one at the end,
+        or one per update when streaming. Cancelling the consumer aborts the request."""
+        self._check_alive()
+        validate_input_ids(inp.input_ids, self.info["vocab_size"], self.info["context_length"])
+        rid = inp.rid or uuid.uuid4().hex
+        if rid in self.states:
+            raise ValueError(f"rid {rid!r} is already in use by a running request")
+        seed = inp.params.seed if inp.params.seed is not None else self.next_seed()
+        treq = TokenizedRequest(
+            rid=rid,
+            input_ids=inp.input_ids,
+            params=inp.params,
+            seed=seed,
+            return_logprob=inp.return_logprob,
+            logprob_start_len=inp.logprob_start_len,
+            top_logprobs_num=inp.top_logprobs_num,
+            token_ids_logprob=inp.token_ids_logprob,
+            return_hidden_states=inp.return_hidden_states,
+            stream=inp.stream,
+        )
+        state = self.states[rid] = ReqState()
+        acc = Accumulated(rid, inp)
+        finished = False
+        try:
+            await self.send.send_pyobj(treq)
+            while not finished:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                accumulate(acc, item)
+                finished = item.finish_reason is not None
+                if finished or inp.stream:
+                    yield build_output(acc, time.monotonic() - state.created)
+        finally:
+            self.states.pop(rid, None)
+            if not finished and self.dead is None:
+                await self.send.send_pyobj(AbortRequest(rid=rid))
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self._check_alive()
+        await self.send.send_pyobj(AbortRequest(rid=rid, abort_all=abort_all))
+
+    async def control(self, method: str, **kwargs: Any) -> Any:
+        """Runs a control call in the scheduler, in order with the requests sent before it."""
+        self._check_alive()
+        call_id = next(self._call_ids)
+        fut = self.calls[call_id] = asyncio.get_running_loop().create_future()
+        await self.send.send_pyobj(ControlRequest(call_id, method, kwargs))
+        try:
+            reply: ControlReply = await fut
+        finally:
+            self.calls.pop(call_id, None)
+        if reply.error is not None:
+            raise RuntimeError(reply.error)
+        return reply.result
+
+    # ---- receiving ------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while self.dead is None:
+            if not await self.recv.poll(int(WATCHDOG_S * 1000)):
+                if not self.is_alive():
+                    self._fail("an engine subprocess exited unexpectedly")
+                continue
+            msg = await self.recv.recv_pyobj()
+            if isinstance(msg, ReqOutputBatch):
+                for out in msg.outputs:
+                    self._deliver(out)
+            elif isinstance(msg, ControlReply):
+                fut = self.calls.get(msg.call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+                if msg.result == "shutdown":
+                    return
+            elif isinstance(msg, SchedulerFailed):
+                self._fail(f"the scheduler failed:\n{msg.error}")
+
+    def _deliver(self, out: ReqOutput) -> None:
+        state = self.states.get(out.rid)
+        if state is not None:  # else: the consumer already left
+            state.queue.put_nowait(out)
+
+    def _fail(self, error: str) -> None:
+        self.dead = error
+        for state in self.states.values():
+            state.queue.put_nowait(EngineDeadError(error))
+        for fut in self.calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(error))
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+    async def shutdown(self) -> None:
+        if self.dead is None and self._loop_task is not None and not self._loop_task.done():
+            try:
+                await asyncio.wait_for(self.control("shutdown"), timeout=10)
+            except (asyncio.TimeoutError, EngineDeadError, RuntimeError):
+                pass
+        self.dead = self.dead or "the engine was shut down"
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self.send.close(linger=0)
+        self.recv.close(linger=0)
+        self.ctx.term()

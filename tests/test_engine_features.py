@@ -1,0 +1,198 @@
+"""Engine behaviour users rely on: prefix reuse, seeds, stop strings, streaming, retraction,
+aborts, bad inputs. One engine per module (CPU, float32, tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from rollout import RolloutEngine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen2):
+    with RolloutEngine(tiny_qwen2, dtype="float32", device="cpu", max_total_tokens=4096) as eng:
+        yield eng
+
+
+def _ids(seed: int, n: int, vocab: int = 500) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _assert_pool_whole(engine) -> None:
+    info = engine.get_server_info()
+    assert info["num_running"] == 0 and info["num_waiting"] == 0
+    assert info["kv_whole"], info
+    assert engine.flush_cache()["success"]
+    info = engine.get_server_info()
+    assert info["kv_free"] == info["kv_total"], info
+
+
+def test_shared_prefix_is_reused(engine):
+    prefix = _ids(1, 200)
+    first = engine.generate(input_ids=prefix + _ids(2, 5), sampling_params=GREEDY)
+    second = engine.generate(input_ids=prefix + _ids(3, 7), sampling_params=GREEDY)
+    assert first["meta_info"]["cached_tokens"] < 190
+    assert second["meta_info"]["cached_tokens"] >= 190
+
+
+def test_n_samples_prefill_the_prompt_once(engine):
+    engine.flush_cache()
+    prompt = _ids(4, 120)
+    outs = engine.generate(input_ids=prompt, sampling_params={"n": 8, "max_new_tokens": 8, "seed": 3})
+    assert len(outs) == 8
+    cached = sorted(o["meta_info"]["cached_tokens"] for o in outs)
+    assert cached[0] == 0 and all(c == len(prompt) - 1 for c in cached[1:])
+    # Different seeds per sample: not all identical.
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1
+
+
+def test_seeded_sampling_is_independent_of_the_batch(engine):
+    params = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 12, "seed": 1234}
+    prompt = _ids(5, 30)
+    alone = engine.generate(input_ids=prompt, sampling_params=params)
+    others = [_ids(6, 50), _ids(7, 9), _ids(8, 70)]
+    batch = engine.generate(
+        input_ids=[others[0], prompt, others[1], others[2]],
+        sampling_params=[{"temperature": 0.7, "max_new_tokens": 20}, params, GREEDY, {"seed": 9}],
+    )
+    assert batch[1]["output_ids"] == alone["output_ids"]
+    again = engine.generate(input_ids=prompt, sampling_params=params)
+    assert again["output_ids"] == alone["output_ids"]
+
+
+def test_stop_strings_end_the_text_exactly(engine):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    full = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
+    text = full["text"]
+    assert len(text) > 10
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True, "stop": [stop]})
+    assert cut["text"] == text[: text.index(stop)]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    kept = engine.generate(
+        prompt, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True, "stop": stop, "no_stop_trim": True}
+    )
+    assert kept["text"].startswith(text[: text.index(stop)] + stop)
+
+
+def test_stop_token_ids(engine):
+    full = engine.generate(input_ids=_ids(9, 20), sampling_params=GREEDY)
+    stop_id = full["output_ids"][5]
+    first = full["output_ids"].index(stop_id)
+    out = engine.generate(input_ids=_ids(9, 20), sampling_params={**GREEDY, "stop_token_ids": [stop_id]})
+    assert out["output_ids"] == full["output_ids"][: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+
+
+def test_streamed_deltas_join_to_the_full_text(engine):
+    prompt = "Once upon a time"
+    params = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True, "stop": ["zz"]}
+    whole = engine.generate(prompt, params)
+    chunks = list(engine.generate(prompt, params, stream=True))
+    assert len(chunks) > 1
+    joined = ""
+    for chunk in chunks:
+        assert chunk["text"].startswith(joined)  # each chunk extends the previous one
+        joined = chunk["text"]
+    assert joined == whole["text"]
+    assert chunks[-1]["output_ids"] == whole["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] is not None
+
+
+def test_min_new_tokens_and_max_new_tokens_zero(engine):
+    out = engine.generate(input_ids=_ids(10, 10), sampling_params={"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+    out = engine.generate(
+        input_ids=_ids(10, 10), sampling_params={"max_new_tokens": 6, "min_new_tokens": 6, "temperature": 0}
+    )
+    assert len(out["output_ids"]) == 6
+
+
+def test_hidden_states(engine):
+    out = engine.generate(input_ids=_ids(11, 10), sampling_params=GREEDY, return_hidden_states=True)
+    hs = out["meta_info"]["hidden_states"]
+    assert len(hs) == len(out["output_ids"]) and len(hs[0]) == 64
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt": ""}, "empty"),
+        ({"input_ids": []}, "empty"),
+        ({"input_ids": [1, 2, 10**7]}, "token ids must be in"),
+        ({"input_ids": [-1, 2]}, "token ids must be in"),
+        ({"input_ids": [5] * 5000}, "context"),
+        ({"prompt": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"prompt": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
+        ({"prompt": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"prompt": "hi", "sampling_params": {"n": 0}}, "n"),
+        ({"prompt": "hi", "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"prompt": "hi", "input_ids": [1]}, "exactly one"),
+        ({"prompt": 5}, "prompt must be"),
+        ({"prompt": "hi", "logprob_start_len": 50, "return_logprob": True}, "logprob_start_len"),
+    ],
+)
+def test_bad_input_raises_clear_error_and_engine_keeps_serving(engine, kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        engine.generate(**kwargs)
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+    assert len(out["output_ids"]) == 2
+
+
+def test_concurrent_requests_with_random_aborts_leave_the_pool_whole(engine):
+    async def run() -> list:
+        rng = random.Random(0)
+
+        async def one(i: int):
+            return await engine.async_generate(
+                input_ids=_ids(100 + i, rng.randint(5, 60)),
+                sampling_params={"max_new_tokens": rng.randint(5, 40), "ignore_eos": True},
+            )
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(64)]
+        await asyncio.sleep(0.5)
+        doomed = rng.sample(range(64), 20)
+        for i in doomed:
+            tasks[i].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return [(i in doomed, r) for i, r in enumerate(results)]
+
+    results = asyncio.run(run())
+    for was_cancelled, result in results:
+        if not was_cancelled:
+            assert isinstance(result, dict), result
+            assert result["meta_info"]["finish_reason"]["type"] == "length"
+    _assert_pool_whole(engine)
+
+
+def test_abort_request_by_rid(engine):
+    async def run():
+        task = asyncio.ensure_future(
+            engine.async_generate(input_ids=_ids(12, 10), sampling_params={"max_new_tokens": 3000, "ignore_eos": True}, rid="victim")
+        )
+        await asyncio.sleep(1.0)
+        engine.abort_request("victim")
+        return await asyncio.wait_for(task, timeout=30)
+
+    out = asyncio.run(run())
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    _assert_pool_whole(engine)
+
+
+def test_small_kv_pool_retracts_and_still_matches(tiny_qwen2):
+    prompts = [_ids(200 + i, 40 + 7 * i) for i in range(8)]
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    with RolloutEngine(tiny_qwen2, dtype="float32", device="cpu") as big:
+        expected = [o["output_ids"] for o in big.generate(input_ids=prompts, sampling_params=params)]
+    with RolloutEngine(tiny_qwen2, dtype="float32", device="cpu", max_total_tokens=200) as small:
+        got = [o["output_ids"] for o in small.generate(input_ids=prompts, sampling_params=params)]
+        info = small.get_server_info()
+    assert got == expected
+    assert info["retractions"] > 0
+    assert info["kv_whole"]

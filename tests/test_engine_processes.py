@@ -1,0 +1,97 @@
+"""Process lifecycle: startup failures, a dying scheduler, shutdown, a killed caller."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from rollout import RolloutEngine
+from rollout.engine.tokenizer_manager import EngineDeadError
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_dead(pids: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model_path"):
+        RolloutEngine(str(tmp_path / "nope"))
+
+
+def test_unknown_option_is_a_clear_error(tiny_qwen3):
+    with pytest.raises(TypeError, match="unknown engine option"):
+        RolloutEngine(tiny_qwen3, not_an_option=1)
+
+
+def test_broken_checkpoint_fails_startup_with_the_reason(tiny_qwen3, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_qwen3, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(EngineDeadError, match="failed to start"):
+        RolloutEngine(str(broken), device="cpu")
+
+
+def test_shutdown_stops_every_subprocess(tiny_qwen3):
+    engine = RolloutEngine(tiny_qwen3, device="cpu")
+    pids = [p.pid for p in engine._procs]
+    engine.generate("hello", {"max_new_tokens": 2})
+    engine.shutdown()
+    assert _wait_dead(pids, 10)
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate("hello")
+
+
+def test_dead_scheduler_raises_instead_of_hanging(tiny_qwen3):
+    with RolloutEngine(tiny_qwen3, device="cpu") as engine:
+        os.kill(engine._procs[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            engine.generate("hello", {"max_new_tokens": 4})
+        assert time.monotonic() - start < 15
+
+
+def test_killed_caller_leaves_no_orphans(tiny_qwen3, tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import json, sys, time
+        from rollout import RolloutEngine
+        engine = RolloutEngine({tiny_qwen3!r}, device="cpu")
+        print(json.dumps([p.pid for p in engine._procs]), flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert all(_alive(p) for p in pids)
+        proc.kill()
+        proc.wait()
+        assert _wait_dead(pids, 10)
+    finally:
+        proc.kill()
