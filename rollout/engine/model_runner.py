@@ -53,7 +53,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mopts.dtype, hf_config)
-        self.model = load_model(mopts.model_path, self.dtype, self.device)
+        self.model = load_model(mopts.model_path, hf_config, self.dtype, self.device, mopts.load_format)
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
         self.attn_backend = create_attention_backend(mopts.attention_backend)
