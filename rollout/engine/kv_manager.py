@@ -51,6 +51,8 @@ class KVManager:
     def insert_computed(self, req: Req) -> None:
         """After a prefill chunk: put the request's computed KV in the cache so requests arriving
         next (the other samples of a GRPO prompt) reuse it; the request keeps it locked."""
+        if self.cache.disable:
+            return  # the request keeps owning all its slots
         tokens = req.ids[: req.kv_len]
         slots = self.req_to_token.read(req.row, 0, req.kv_len).cpu()
         match = self.cache.cache_unfinished(tokens, slots, req.locked_node, req.prefix_len)
