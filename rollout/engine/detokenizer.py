@@ -57,7 +57,12 @@ class Detokenizer:
                     end = at if at >= 0 else end
             del self.states[out.rid]
         elif state.params.stop:
+            # Hold back what may be the start of a stop string, and never pass one.
             end -= max(len(s) for s in state.params.stop) - 1
+            for stop in state.params.stop:
+                at = state.text.find(stop, state.sent)
+                if at >= 0:
+                    end = min(end, at)
         end = max(end, state.sent)
         out.text = state.text[state.sent : end]
         state.sent = end
