@@ -45,6 +45,7 @@ def _forward(model, config, seqs: list[list[int]], prefix_lens: list[int], pools
         seq_lens_cpu=[len(s) for s in seqs],
         extend_lens_cpu=[len(s) - p for s, p in zip(seqs, prefix_lens)],
     )
+    fb.attn_backend.prepare(fb)
     with torch.no_grad():
         logits = model.compute_logits(model(fb.input_ids, fb.positions, fb))
     return logits

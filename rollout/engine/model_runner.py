@@ -51,6 +51,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(mopts.device or default_device())
         if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mopts.dtype, hf_config)
         self.model = load_model(mopts.model_path, hf_config, self.dtype, self.device, mopts.load_format)

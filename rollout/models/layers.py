@@ -50,7 +50,8 @@ class RotaryEmbedding(nn.Module):
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope type {rope_type!r}")
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        self.inv_freq = nn.Buffer(inv_freq.float(), persistent=False)
+        # On the device the model is being built on (torch.device context), not where it was computed.
+        self.inv_freq = nn.Buffer(inv_freq.float().to(torch.empty(0).device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: [T]; q: [T, H, D], k: [T, Hkv, D] -> rotated (q, k)."""

@@ -1,4 +1,8 @@
-"""Attention in plain PyTorch, one request at a time: slow, simple, the correctness oracle."""
+"""Attention in plain PyTorch: simple, runs anywhere, the correctness oracle.
+
+Decode attends for the whole batch at once over K/V gathered into a padded [B, S] layout;
+extend goes one request at a time (each has its own causal block).
+"""
 
 from __future__ import annotations
 
@@ -6,29 +10,59 @@ import torch
 import torch.nn.functional as F
 
 from rollout.engine.attention.base import Attention, AttentionBackend
-from rollout.engine.forward_batch import ForwardBatch
+from rollout.engine.forward_batch import ForwardBatch, ForwardMode
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def prepare(self, fb: ForwardBatch) -> None:
+        max_len = max(fb.seq_lens_cpu)
+        # [B, S] KV slots of every request, padded with slot 0 (never a real token).
+        positions = torch.arange(max_len, device=fb.seq_lens.device)
+        self.valid = positions[None, :] < fb.seq_lens[:, None]  # [B, S]
+        rows = fb.req_to_token[fb.req_pool_indices, :max_len]
+        self.slots = torch.where(self.valid, rows, torch.zeros_like(rows))
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
     ) -> torch.Tensor:
         fb.kv_pool.store(layer.layer_id, fb.out_cache_loc, k, v)
         k_cache, v_cache = fb.kv_pool.k[layer.layer_id], fb.kv_pool.v[layer.layer_id]
-        group = layer.num_heads // layer.num_kv_heads
+        if fb.mode is ForwardMode.DECODE:
+            return self._decode(q, k_cache, v_cache, layer)
+        return self._extend(q, k_cache, v_cache, layer, fb)
+
+    def _decode(self, q, k_cache, v_cache, layer: Attention) -> torch.Tensor:
+        # q: [B, H, D]; keys/values: [B, Hkv, S, D]
+        keys = k_cache[self.slots].to(q.dtype).transpose(1, 2)
+        values = v_cache[self.slots].to(q.dtype).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :],
+            keys,
+            values,
+            attn_mask=self.valid[:, None, None, :],
+            scale=layer.scaling,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )
+        return out[:, :, 0, :]
+
+    def _extend(self, q, k_cache, v_cache, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
         for i, (seq_len, ext) in enumerate(zip(fb.seq_lens_cpu, fb.extend_lens_cpu)):
-            slots = fb.req_to_token[fb.req_pool_indices[i], :seq_len]
-            # [S, Hkv, D] -> [H, S, D]
-            keys = k_cache[slots].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-            values = v_cache[slots].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+            slots = self.slots[i, :seq_len]
+            keys = k_cache[slots].to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
+            values = v_cache[slots].to(q.dtype).transpose(0, 1)
             query = q[start : start + ext].transpose(0, 1)  # [H, E, D]
             # Query j sits at absolute position seq_len - ext + j and sees keys 0..that position.
             q_pos = torch.arange(seq_len - ext, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
             attn = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, scale=layer.scaling
+                query,
+                keys,
+                values,
+                attn_mask=mask,
+                scale=layer.scaling,
+                enable_gqa=layer.num_heads != layer.num_kv_heads,
             )
             out[start : start + ext] = attn.transpose(0, 1)
             start += ext
