@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rollout.engine.attention.base import Attention, AttentionBackend
 from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+
+# cuDNN's SDPA rebuilds its graph for every new shape: milliseconds of host time per call.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -32,38 +36,30 @@ class TorchAttentionBackend(AttentionBackend):
         return self._extend(q, k_cache, v_cache, layer, fb)
 
     def _decode(self, q, k_cache, v_cache, layer: Attention) -> torch.Tensor:
-        # q: [B, H, D]; keys/values: [B, Hkv, S, D]
-        keys = k_cache[self.slots].to(q.dtype).transpose(1, 2)
-        values = v_cache[self.slots].to(q.dtype).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :],
-            keys,
-            values,
-            attn_mask=self.valid[:, None, None, :],
-            scale=layer.scaling,
-            enable_gqa=layer.num_heads != layer.num_kv_heads,
-        )
-        return out[:, :, 0, :]
+        # Plain matmuls: one new token per request needs no fused kernel.
+        b, group = q.shape[0], layer.num_heads // layer.num_kv_heads
+        keys = k_cache[self.slots].float()  # [B, S, Hkv, D]
+        values = v_cache[self.slots].float()
+        query = q.float().view(b, layer.num_kv_heads, group, layer.head_dim)
+        scores = torch.einsum("bhgd,bshd->bhgs", query, keys) * layer.scaling
+        scores = scores.masked_fill(~self.valid[:, None, None, :], float("-inf"))
+        out = torch.einsum("bhgs,bshd->bhgd", scores.softmax(dim=-1), values)
+        return out.reshape(b, layer.num_heads, layer.head_dim).to(q.dtype)
 
     def _extend(self, q, k_cache, v_cache, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
         for i, (seq_len, ext) in enumerate(zip(fb.seq_lens_cpu, fb.extend_lens_cpu)):
             slots = self.slots[i, :seq_len]
-            keys = k_cache[slots].to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
-            values = v_cache[slots].to(q.dtype).transpose(0, 1)
+            group = layer.num_heads // layer.num_kv_heads
+            keys = k_cache[slots].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+            values = v_cache[slots].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
             query = q[start : start + ext].transpose(0, 1)  # [H, E, D]
             # Query j sits at absolute position seq_len - ext + j and sees keys 0..that position.
             q_pos = torch.arange(seq_len - ext, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            attn = F.scaled_dot_product_attention(
-                query,
-                keys,
-                values,
-                attn_mask=mask,
-                scale=layer.scaling,
-                enable_gqa=layer.num_heads != layer.num_kv_heads,
-            )
+            with sdpa_kernel(_SDPA_BACKENDS):
+                attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=layer.scaling)
             out[start : start + ext] = attn.transpose(0, 1)
             start += ext
         return out

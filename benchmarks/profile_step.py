@@ -1,0 +1,68 @@
+"""Profiles decode steps of the scheduler in-process: wall time per step and the top ops.
+
+    python benchmarks/profile_step.py --model qwen3-0.6b --batch 64 --prompt-len 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from rollout.config import EngineOptions  # noqa: E402
+from rollout.engine.messages import TokenizedRequest  # noqa: E402
+from rollout.engine.sampling_params import SamplingParams  # noqa: E402
+from rollout.engine.scheduler_process import SchedulerProcess  # noqa: E402
+from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    options = {"dtype": args.dtype, "max_total_tokens": args.batch * (args.prompt_len + 4 * args.steps) + 64}
+    model = args.model
+    if not os.path.isdir(model):
+        model = write_config_checkpoint(model, tempfile.mkdtemp())
+        options["load_format"] = "dummy"
+    assert args.model in REAL_CONFIGS or os.path.isdir(args.model)
+    proc = SchedulerProcess(EngineOptions.from_kwargs(model_path=model, **options))
+    sched = proc.scheduler
+    rng = random.Random(0)
+    for i in range(args.batch):
+        ids = [rng.randrange(10000) for _ in range(args.prompt_len)]
+        params = SamplingParams(temperature=0.6, ignore_eos=True, max_new_tokens=4 * args.steps)
+        sched.add_request(TokenizedRequest(f"r{i}", ids, params, seed=i))
+    while sched.waiting or sched.chunked:
+        sched.step()
+    for _ in range(3):
+        sched.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        sched.step()
+    torch.cuda.synchronize()
+    print(f"decode step, batch {args.batch}: {(time.perf_counter() - start) / args.steps * 1000:.2f} ms")
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for _ in range(5):
+            sched.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
