@@ -8,6 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Rope types whose frequencies are fixed at init. "dynamic" is exact up to the original
+# context length; beyond it HF rescales by the batch's longest sequence, which depends on
+# what else is batched, so an engine keeps the base frequencies there.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -15,63 +20,99 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x: [..., D]. With a residual, returns (norm(x + residual), x + residual)."""
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., D]. Without a residual returns norm(x); with one, (norm(x + residual),
+        x + residual): the sum is the next layer's residual, so it is made only once."""
         if residual is not None:
             x = x + residual
             residual = x
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast before scaling, as HF does: bf16 results then match it bit for bit.
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any]]:
-    """(rope_theta, scaling dict) across transformers versions (v5 folds both into rope_parameters)."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    """(rope_theta, scaling dict) across transformers versions: v5 folds both into
+    `rope_parameters`, v4 keeps `rope_theta` and `rope_scaling` apart."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = dict(params or {})
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     return float(theta), params
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates the first `rotary_dim` dims of q and k by position (GPT-NeoX / HF layout: halves)."""
+    """cos/sin of every token's position, computed once per forward and shared by all layers."""
 
     def __init__(self, config: Any, head_dim: int) -> None:
         super().__init__()
         theta, params = rope_parameters(config)
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type == "default":
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-            self.scaling = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_type must be one of {', '.join(SUPPORTED_ROPE_TYPES)}, got {rope_type!r}"
+            )
+        # Where the model is being built (the torch.device context); the frequencies are
+        # computed on CPU in any case, so building on "meta" works too.
+        device = torch.empty(0).device
+        with torch.device("cpu"):
+            if rope_type == "default":
+                exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+                inv_freq, self.scaling = 1.0 / (theta**exponents), 1.0
+            else:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            if rope_type not in ROPE_INIT_FUNCTIONS:
-                raise ValueError(f"unsupported rope type {rope_type!r}")
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        # On the device the model is being built on (torch.device context), not where it was computed.
-        self.inv_freq = nn.Buffer(inv_freq.float().to(torch.empty(0).device), persistent=False)
+                inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        self.inv_freq = nn.Buffer(inv_freq.float().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [T]; q: [T, H, D], k: [T, Hkv, D] -> rotated (q, k)."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
-        cos = (freqs.cos() * self.scaling)[:, None, :]
-        sin = (freqs.sin() * self.scaling)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, sin), each [T, 1, D/2] float32, broadcasting over heads."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        cos = freqs.cos() * self.scaling
+        sin = freqs.sin() * self.scaling
+        return cos[:, None, :], sin[:, None, :]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] rotated in halves (the HF / GPT-NeoX layout); cos, sin: [T, 1, D/2]."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class MergedLinear(nn.Linear):
+    """One Linear standing for several checkpoint projections stacked along the output dim.
+
+    `parts` maps each checkpoint projection (e.g. "q_proj") to its number of output rows, in
+    order; weight loading copies each checkpoint tensor into its rows of the fused weight.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    def part_rows(self) -> dict[str, tuple[int, int]]:
+        """Checkpoint projection -> (first row, number of rows) in the fused weight."""
+        rows, start = {}, 0
+        for name, size in self.parts.items():
+            rows[name] = (start, size)
+            start += size
+        return rows
 
 
 class SiluAndMulMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.intermediate = intermediate
+        self.gate_up_proj = MergedLinear(
+            hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias
+        )
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        # x: [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5: Llama with biases on the q, k, v projections."""
+"""Qwen2 / Qwen2.5: Llama with biases on the q, k, v projections (none on o)."""
 
 from __future__ import annotations
 
