@@ -1,0 +1,1 @@
+"""Weight sync: update groups, tensor handoff, disk reload, versions, memory release/resume."""
