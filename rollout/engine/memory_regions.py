@@ -1,0 +1,83 @@
+"""Tagged GPU memory regions (`weights`, `kv_cache`, `cuda_graph`) that can be released and resumed.
+
+On a GPU with torch-memory-saver installed, tensors allocated inside `region(tag)` keep their
+virtual addresses while their physical memory is released, so CUDA graphs captured over them stay
+valid. Elsewhere (CPU, or the package missing) regions are plain allocations: the caller frees and
+re-creates what it must (the KV pool) and keeps the rest (CPU weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TAGS = ("weights", "kv_cache", "cuda_graph")
+
+_saver: Any = None
+
+
+def _memory_saver(device: torch.device) -> Any:
+    """The torch-memory-saver singleton in hook mode "torch" (no LD_PRELOAD), or None."""
+    global _saver
+    if device.type != "cuda":
+        return None
+    if _saver is None:
+        try:
+            from torch_memory_saver import torch_memory_saver
+        except ImportError:
+            logger.info("torch-memory-saver is not installed: memory release keeps GPU memory")
+            return None
+        # NOTE: must be set before the first region() call, which initialises the hooks.
+        torch_memory_saver.hook_mode = "torch"
+        _saver = torch_memory_saver
+    return _saver
+
+
+def is_releasable(device: torch.device) -> bool:
+    """True when regions on `device` give their physical memory back on release."""
+    return _memory_saver(device) is not None
+
+
+@contextlib.contextmanager
+def region(tag: str, device: torch.device, enable_cpu_backup: bool = False) -> Iterator[None]:
+    """Tensors allocated inside belong to `tag`'s region."""
+    if tag not in TAGS:
+        raise ValueError(f"memory region tag must be one of {', '.join(TAGS)}, got {tag!r}")
+    saver = _memory_saver(device)
+    if saver is None:
+        yield
+        return
+    with saver.region(tag=tag, enable_cpu_backup=enable_cpu_backup):
+        yield
+
+
+def cuda_graph(graph: torch.cuda.CUDAGraph, pool: Any, stream: Any, device: torch.device) -> Any:
+    """The context to capture `graph` in, so its private memory joins the `cuda_graph` region."""
+    saver = _memory_saver(device)
+    if saver is None:
+        return torch.cuda.graph(graph, pool=pool, stream=stream)
+    return saver.cuda_graph(graph, pool=pool, stream=stream, tag="cuda_graph")
+
+
+def release(tag: str, device: torch.device) -> bool:
+    """Frees the physical memory of `tag`'s region; False when regions can't release here."""
+    saver = _memory_saver(device)
+    if saver is None:
+        return False
+    saver.pause(tag)
+    return True
+
+
+def resume(tag: str, device: torch.device) -> bool:
+    """Re-backs `tag`'s region with physical memory (contents restored only with a CPU backup)."""
+    saver = _memory_saver(device)
+    if saver is None:
+        return False
+    saver.resume(tag)
+    return True
