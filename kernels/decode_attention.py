@@ -1,0 +1,144 @@
+"""Paged decode attention: one new query token per request over its whole KV history.
+
+The keys of a request are cut into `num_splits` pieces, each attended by its own program
+(split-KV), so a few long sequences still fill the GPU; `merge_attention_parts` then combines
+the pieces. One program serves all query heads that share a KV head (GQA), so each K/V row is
+read once per group rather than once per query head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from rollout_kernels.attention_merge import merge_attention_parts
+from rollout_kernels.precision import dot_precision
+
+# Fewer keys than this per split cost more in merging than they gain in parallelism.
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr,
+    part_ptr, lse_ptr,
+    sm_scale,
+    stride_qb, stride_qh, stride_ct, stride_ch, stride_rt,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    row = tl.load(req_pool_ptr + b).to(tl.int64)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    group = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + group
+    dims = tl.arange(0, BLOCK_D)
+    hmask = group < GROUP
+    dmask = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
+
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    denom = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        nmask = pos < end
+        slots = tl.load(req_to_token_ptr + row * stride_rt + pos, mask=nmask, other=0).to(tl.int64)
+        kv_offs = slots[:, None] * stride_ct + kv_head * stride_ch + dims[None, :]
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale
+        scores = tl.where(nmask[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    # An empty split (seq_len < NUM_SPLITS) reports lse = -inf: the merge gives it no weight.
+    nonempty = denom > 0
+    out = acc / tl.where(nonempty, denom, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, denom, 1.0)), float("-inf"))
+    part_offs = b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + dims[None, :]
+    tl.store(part_ptr + part_offs, out, mask=hmask[:, None] & dmask[None, :])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
+
+
+def choose_num_splits(
+    max_seq_len: int, batch_size: int, kv_heads: int, num_sms: int | None = None
+) -> int:
+    """Splits for a decode batch whose longest sequence has `max_seq_len` keys (host ints):
+    enough for long sequences to spread over the GPU, no more than keeps every SM busy
+    (about two programs per SM) when `num_sms` is known."""
+    splits = max(1, min(MAX_SPLITS, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
+    if num_sms is not None:
+        splits = min(splits, max(1, triton.cdiv(2 * num_sms, batch_size * kv_heads)))
+    return splits
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [B, H, D] (head dim contiguous), the query of each request's newest token;
+    k_cache, v_cache: [slots, Hkv, D] contiguous; req_to_token: [rows, max_context] with the
+    slots of request b's tokens in row req_pool_indices[b]; seq_lens: [B] keys per request
+    (the newest token's K/V already stored). Returns out [B, H, D] in q's dtype; a request
+    with no keys (a padding row) gets zeros.
+
+    `num_splits` only changes how the work is cut, never the result beyond float rounding; a
+    fixed value keeps the launch shape fixed (CUDA graphs), whatever the sequence lengths."""
+    b, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if heads % kv_heads or k_cache.shape[2] != dim or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"decode_attention needs q [B, H, D] and caches [slots, Hkv, D] with H a multiple "
+            f"of Hkv; got q {tuple(q.shape)}, caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decode_attention needs q's head dim and both caches contiguous")
+    if req_to_token.stride(-1) != 1:
+        raise ValueError("decode_attention needs req_to_token rows contiguous")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    out = torch.empty_like(q) if out is None else out
+    if b == 0:
+        return out
+    group = heads // kv_heads
+    parts = torch.empty((b, heads, num_splits, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, heads, num_splits), dtype=torch.float32, device=q.device)
+    # tl.dot needs every tile dim >= 16; padded heads and dims are masked out.
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_n = 32 if q.dtype == torch.float32 else 64
+    _decode_split_kernel[(b, kv_heads, num_splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+        parts, lse,
+        sm_scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
+        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+        GROUP=group, HEAD_DIM=dim, DOT_PRECISION=dot_precision(q.dtype), NUM_SPLITS=num_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+    )
+    merge_attention_parts(parts, lse, out)
+    return out

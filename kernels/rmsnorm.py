@@ -1,0 +1,69 @@
+"""Fused RMSNorm, optionally with the residual add before it: one read of x (and residual),
+one write of the output (and of the new residual), instead of a kernel per elementwise op.
+
+Rounds where `rollout.models.layers.RMSNorm` rounds: the sum x + residual in the input dtype,
+the normalised value to the input dtype before the weight multiplies it."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro,
+    eps,
+    DIM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < DIM
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(dtype)
+        tl.store(res_out_ptr + row * stride_ro + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / DIM + eps)
+    normed = (x * inv_rms).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., D] (last dim contiguous); weight: [D]. Without a residual returns
+    norm(x) * weight; with one (same shape as x) returns (norm(x + residual) * weight,
+    x + residual), the layers.RMSNorm contract. Outputs are new tensors in x's dtype."""
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"rms_norm needs weight of shape ({dim},) for x {tuple(x.shape)}, got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm needs residual shaped like x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    # reshape copies only where the leading dims cannot be flattened as a view.
+    x2 = x.reshape(-1, dim)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res2 = res_out = out  # unused placeholders when there is no residual
+    if residual is not None:
+        res2 = residual.reshape(-1, dim)
+        if res2.stride(-1) != 1:
+            res2 = res2.contiguous()
+        res_out = torch.empty_like(out)
+    if x2.shape[0]:
+        _rmsnorm_kernel[(x2.shape[0],)](
+            x2, res2, weight, out, res_out,
+            x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
+            eps,
+            DIM=dim, HAS_RESIDUAL=residual is not None, BLOCK_D=triton.next_power_of_2(dim),
+        )
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), res_out.view(x.shape)

@@ -1,0 +1,101 @@
+"""Paged decode and extend attention and the KV store, against a float64 torch reference.
+
+Small shapes: on CPU these run under Triton's interpreter (see conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from paged_fixtures import make_paged_batch, reference_attention  # noqa: E402
+from rollout_kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
+from rollout_kernels.extend_attention import extend_attention  # noqa: E402
+from rollout_kernels.kv_store import store_kv  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, seq_lens, num_splits",
+    [
+        (4, 2, 16, [1, 5, 40], 1),  # a one-key request, GQA group 2
+        (8, 1, 32, [70, 3], 4),  # split-KV with splits both full and empty (3 keys, 4 splits)
+        (6, 6, 24, [33, 9, 130], 3),  # no GQA; head dim not a power of two
+    ],
+)
+def test_decode_attention_matches_reference(device, heads, kv_heads, dim, seq_lens, num_splits):
+    batch = make_paged_batch(seq_lens, [1] * len(seq_lens), heads, kv_heads, dim, torch.float32, device)
+    scale = dim**-0.5
+    out = decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
+        batch.seq_lens, scale, num_splits=num_splits,
+    )
+    torch.testing.assert_close(out.cpu().double(), reference_attention(batch, scale), atol=2e-5, rtol=2e-5)
+
+
+def test_decode_attention_split_count_does_not_change_result(device):
+    batch = make_paged_batch([300, 17], [1, 1], 4, 2, 16, torch.float32, device, seed=3)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, 0.25)
+    one = decode_attention(*args, num_splits=1)
+    torch.testing.assert_close(decode_attention(*args, num_splits=2), one)
+    torch.testing.assert_close(decode_attention(*args, num_splits=7), one)
+
+
+def test_decode_attention_gives_padding_rows_zeros(device):
+    # CUDA-graph padding rows have no keys: they must come out finite and leave others alone.
+    batch = make_paged_batch([9, 1], [1, 1], 4, 2, 16, torch.float32, device, seed=4)
+    seq_lens = torch.tensor([9, 0], device=device)
+    out = decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
+        seq_lens, 0.25, num_splits=3,
+    )
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[0].cpu().double(), reference_attention(batch, 0.25)[0], atol=2e-5, rtol=2e-5)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(100, 1, 8) == 1  # short: one split is enough
+    assert choose_num_splits(300, 1, 8) == 2
+    assert choose_num_splits(1 << 20, 1, 8) == 16  # capped
+    assert choose_num_splits(8192, 1, 4, num_sms=132) == 16  # batch 1 alone cannot fill the GPU
+    assert choose_num_splits(8192, 64, 8, num_sms=132) == 1  # 512 programs already do
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, seq_lens, extend_lens",
+    [
+        (4, 2, 16, [37, 5, 1], [37, 2, 1]),  # fresh prompt, short extends, a one-token extend
+        (8, 2, 32, [80, 41], [33, 40]),  # cached prefixes; extends span several query blocks
+        (3, 1, 24, [20], [20]),  # head dim not a power of two
+    ],
+)
+def test_extend_attention_matches_reference(device, heads, kv_heads, dim, seq_lens, extend_lens):
+    batch = make_paged_batch(seq_lens, extend_lens, heads, kv_heads, dim, torch.float32, device, seed=1)
+    scale = dim**-0.5
+    out = extend_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
+        batch.seq_lens, batch.extend_lens, batch.extend_starts, max(extend_lens), scale,
+    )
+    torch.testing.assert_close(out.cpu().double(), reference_attention(batch, scale), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_each_token_to_its_slot(device, dtype):
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 4 * 8 + 2 * 2 * 8, generator=gen).to(device, dtype)
+    # k as the models pass it: a strided view into the fused qkv projection.
+    k = qkv[:, 32:48].view(5, 2, 8)
+    v = qkv[:, 48:].contiguous().view(5, 2, 8)
+    k_cache = torch.zeros(12, 2, 8, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    loc = torch.tensor([3, 11, 1, 7, 4], device=device)
+    store_kv(k, v, k_cache, v_cache, loc)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k[loc], want_v[loc] = k, v
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_store_kv_rejects_mismatched_shapes(device):
+    cache = torch.zeros(4, 2, 8, device=device)
+    with pytest.raises(ValueError, match="Hkv, D"):
+        store_kv(torch.zeros(1, 3, 8, device=device), torch.zeros(1, 3, 8, device=device), cache, cache, torch.tensor([1]))
