@@ -57,19 +57,21 @@ def make_paged_batch(
 
 
 def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
-    """[T, H, D] float64: each new token attends to keys 0..its own position."""
-    q = batch.q.double().cpu()
+    """[T, H, D] float64 on the CPU, computed where the batch lives: each new token attends
+    to keys 0..its own position."""
+    q = batch.q.double()
     heads, kv_heads = q.shape[1], batch.k_cache.shape[1]
     out = torch.empty_like(q)
     start = 0
     for b, (n, ext) in enumerate(zip(batch.seq_lens.tolist(), batch.extend_lens.tolist())):
-        slots = batch.req_to_token[batch.req_pool_indices[b], :n].cpu()
-        keys = batch.k_cache.cpu()[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-        values = batch.v_cache.cpu()[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        slots = batch.req_to_token[batch.req_pool_indices[b], :n]
+        keys = batch.k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = batch.v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
         query = q[start : start + ext]  # [E, H, D]
         scores = torch.einsum("ehd,nhd->hen", query, keys) * scale
-        q_pos = torch.arange(n - ext, n)
-        scores = scores.masked_fill(torch.arange(n)[None, :] > q_pos[:, None], float("-inf"))
+        q_pos = torch.arange(n - ext, n, device=q.device)
+        future = torch.arange(n, device=q.device)[None, :] > q_pos[:, None]  # [E, N]
+        scores = scores.masked_fill(future, float("-inf"))
         out[start : start + ext] = torch.einsum("hen,nhd->ehd", scores.softmax(-1), values)
         start += ext
-    return out
+    return out.cpu()

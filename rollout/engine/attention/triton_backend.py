@@ -1,0 +1,90 @@
+"""Attention with the Triton kernels of `rollout_kernels`: paged decode with split-KV, paged
+extend over the cached prefix, and the KV store, one launch each per layer for the whole batch.
+
+The kernels read each request's KV slots straight from req_to_token, so there is no page list
+to build: per-forward metadata (where each request's new tokens start, the decode split count)
+comes from host-side lengths in `prepare`, and no layer waits on the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from rollout_kernels.decode_attention import choose_num_splits, decode_attention
+from rollout_kernels.extend_attention import extend_attention
+from rollout_kernels.kv_store import store_kv
+
+from rollout.engine.attention.base import Attention, AttentionBackend, AttentionShape
+from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+
+
+class TritonAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, shape: AttentionShape) -> None:
+        device = torch.device(shape.device)
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise ValueError(
+                f"attention_backend='triton' needs a CUDA device, got {device}; use "
+                "attention_backend='torch' there (or TRITON_INTERPRET=1 to interpret the kernels, slowly)"
+            )
+        self.shape = shape
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+        )
+        # What the next forward's kernels read: fb's own tensors, or the graph buffers below.
+        self.seq_lens: torch.Tensor | None = None  # [B] int64
+        self.req_rows: torch.Tensor | None = None  # [B] int64 rows of req_to_token
+        self.num_splits = 1
+        self._graph_seq_lens: torch.Tensor | None = None
+        self._graph_req_rows: torch.Tensor | None = None
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        self.seq_lens, self.req_rows = fb.seq_lens, fb.req_pool_indices
+        if fb.mode is ForwardMode.DECODE:
+            self.num_splits = choose_num_splits(
+                max(fb.seq_lens_cpu), fb.batch_size, self.shape.num_kv_heads, self.num_sms
+            )
+            return
+        self.extend_starts = torch.cumsum(fb.extend_lens, 0) - fb.extend_lens  # [B], on the device
+        self.max_extend_len = max(fb.extend_lens_cpu)
+
+    def prepare_graph(self, padded_batch_size: int, fb: ForwardBatch | None) -> None:
+        """Padding rows get 0 keys: the decode kernel writes zeros for them and reads no KV."""
+        if self._graph_seq_lens is None:
+            n, dev = self.shape.max_batch_size, self.shape.device
+            self._graph_seq_lens = torch.zeros(n, dtype=torch.int64, device=dev)
+            self._graph_req_rows = torch.zeros(n, dtype=torch.int64, device=dev)
+        if padded_batch_size > self._graph_seq_lens.shape[0]:
+            raise ValueError(
+                f"graph batch size {padded_batch_size} exceeds max_batch_size {self.shape.max_batch_size}"
+            )
+        real = 0 if fb is None else fb.batch_size
+        if fb is not None:
+            self._graph_seq_lens[:real].copy_(fb.seq_lens)
+            self._graph_req_rows[:real].copy_(fb.req_pool_indices)
+        self._graph_seq_lens[real:padded_batch_size].zero_()
+        self._graph_req_rows[real:padded_batch_size].zero_()
+        self.seq_lens = self._graph_seq_lens[:padded_batch_size]
+        self.req_rows = self._graph_req_rows[:padded_batch_size]
+        # Fixed per captured size: the graph replays whatever launch shape it captured.
+        self.num_splits = choose_num_splits(
+            self.shape.max_context_len, padded_batch_size, self.shape.num_kv_heads, self.num_sms
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
+    ) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]
+        k_cache, v_cache = fb.kv_pool.k[layer.layer_id], fb.kv_pool.v[layer.layer_id]
+        store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)
+        if fb.mode is ForwardMode.DECODE:
+            return decode_attention(
+                q, k_cache, v_cache, fb.req_to_token, self.req_rows, self.seq_lens,
+                layer.scaling, num_splits=self.num_splits,
+            )
+        return extend_attention(
+            q, k_cache, v_cache, fb.req_to_token, self.req_rows, self.seq_lens,
+            fb.extend_lens, self.extend_starts, self.max_extend_len, layer.scaling,
+        )
