@@ -1,4 +1,4 @@
-"""The `rollout` command: `rollout tiny-model PATH`, `rollout generate --model-path PATH ...`."""
+"""The `rollout` command: `rollout tiny-model PATH`, `rollout generate ...`, `rollout serve ...`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=_generate)
 
+    sub.add_parser("serve", help="serve a model over HTTP (see rollout serve --help)", add_help=False)
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve":
+        from rollout.server.launch import main as serve_main
+
+        serve_main(argv[1:])
+        return
     args = parser.parse_args(argv)
     args.func(args)
 

@@ -1,0 +1,213 @@
+"""RolloutClient: the HTTP twin of RolloutEngine.
+
+Same method names, arguments and return shapes, so a trainer moves between an in-process engine
+and a `rollout serve` process by changing the line that makes it. Errors map back to the
+exceptions the engine raises: bad input -> ValueError, auth -> PermissionError, the rest ->
+RuntimeError.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+
+
+class RolloutClient:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
+        """`timeout` bounds each HTTP call in seconds (None: wait as long as generation takes)."""
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = httpx.Timeout(timeout)
+        self._http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=self.timeout)
+
+    # ---- generation -----------------------------------------------------------------------
+    @staticmethod
+    def _payload(
+        prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool, logprob_start_len: Any,
+        top_logprobs_num: Any, token_ids_logprob: Any, return_hidden_states: bool, stream: bool, rid: Any,
+    ) -> dict:
+        payload = {
+            "text": prompt,
+            "input_ids": input_ids,
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+            "logprob_start_len": logprob_start_len,
+            "top_logprobs_num": top_logprobs_num,
+            "token_ids_logprob": token_ids_logprob,
+            "return_hidden_states": return_hidden_states,
+            "stream": stream,
+            "rid": rid,
+        }
+        return {k: v for k, v in payload.items() if v is not None}
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        token_ids_logprob: list[int] | None = None,
+        return_hidden_states: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """As RolloutEngine.generate: a dict, a list of dicts, or (stream=True) an iterator."""
+        payload = self._payload(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+            top_logprobs_num, token_ids_logprob, return_hidden_states, stream, rid,
+        )
+        if stream:
+            return self._stream(payload)
+        return self._post("/generate", payload)
+
+    def _stream(self, payload: dict) -> Iterator[dict]:
+        with self._http.stream("POST", "/generate", json=payload) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise _error(resp)
+            for line in resp.iter_lines():
+                item = _event(line)
+                if item is _DONE:
+                    return
+                if item is not None:
+                    yield item
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        token_ids_logprob: list[int] | None = None,
+        return_hidden_states: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        """As RolloutEngine.async_generate; cancelling closes the connection, which aborts."""
+        payload = self._payload(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+            top_logprobs_num, token_ids_logprob, return_hidden_states, stream, rid,
+        )
+        if stream:
+            return self._astream(payload)
+        async with self._async_http() as http:
+            resp = await http.post("/generate", json=payload)
+        return _result(resp)
+
+    async def _astream(self, payload: dict) -> AsyncIterator[dict]:
+        async with self._async_http() as http, http.stream("POST", "/generate", json=payload) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise _error(resp)
+            async for line in resp.aiter_lines():
+                item = _event(line)
+                if item is _DONE:
+                    return
+                if item is not None:
+                    yield item
+
+    def _async_http(self) -> httpx.AsyncClient:
+        # A fresh async client per call: an AsyncClient belongs to the event loop that used it first.
+        return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout)
+
+    # ---- control --------------------------------------------------------------------------
+    def flush_cache(self) -> dict:
+        resp = self._http.post("/flush_cache")
+        if resp.status_code == 409:  # not flushed (requests running): a result, not an error
+            return resp.json()
+        return _result(resp)
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self._post("/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    def get_server_info(self) -> dict:
+        return self._get("/get_server_info")
+
+    def get_model_info(self) -> dict:
+        return self._get("/get_model_info")
+
+    def health(self) -> bool:
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Blocks until /health_generate answers (the model is loaded and serving)."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                resp = self._http.get("/health_generate", timeout=10)
+                if resp.status_code == 200:
+                    return
+                if resp.status_code in (401, 403):
+                    raise _error(resp)
+            except httpx.TransportError as e:
+                last = e
+            time.sleep(0.25)
+        raise TimeoutError(f"{self.base_url} was not ready within {timeout:.0f} s (last error: {last})")
+
+    # ---- plumbing -------------------------------------------------------------------------
+    def _post(self, path: str, payload: dict | None = None) -> Any:
+        return _result(self._http.post(path, json=payload))
+
+    def _get(self, path: str) -> Any:
+        return _result(self._http.get(path))
+
+    def close(self) -> None:
+        self._http.close()
+
+    shutdown = close  # RolloutEngine's name: ends this client, not the server
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_DONE = object()
+
+
+def _event(line: str) -> Any:
+    """One SSE line -> a dict, _DONE, or None (blank lines, comments). Error events raise."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return _DONE
+    item = json.loads(data)
+    if isinstance(item, dict) and "error" in item and "meta_info" not in item:
+        raise _exception(item["error"].get("code", 500), item["error"].get("message", data))
+    return item
+
+
+def _exception(status: int, message: str) -> Exception:
+    if status in (401, 403):
+        return PermissionError(f"HTTP {status}: {message}")
+    if 400 <= status < 500:
+        return ValueError(message)
+    return RuntimeError(f"HTTP {status}: {message}")
+
+
+def _error(resp: httpx.Response) -> Exception:
+    try:
+        message = resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = resp.text
+    return _exception(resp.status_code, message)
+
+
+def _result(resp: httpx.Response) -> Any:
+    if resp.status_code >= 400:
+        raise _error(resp)
+    return resp.json()

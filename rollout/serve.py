@@ -1,0 +1,8 @@
+"""`python -m rollout.serve --model-path PATH ...`: the same as `rollout serve`."""
+
+from __future__ import annotations
+
+from rollout.server.launch import main
+
+if __name__ == "__main__":
+    main(prog="python -m rollout.serve")

@@ -1,0 +1,273 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rollout.server.openai_format import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    matched_stop,
+    usage,
+)
+from rollout.server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from rollout.server.responses import JSON, error
+from rollout.server.streaming import (
+    error_event,
+    gather_streams,
+    sse,
+    sse_response,
+    until_disconnect,
+)
+
+router = APIRouter()
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
+
+
+def _model_card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "rollout", "root": name}
+
+
+def _check_model(request: Request, model: str) -> JSON | None:
+    known = {request.app.state.model_name, request.app.state.engine.options.model.model_path}
+    if model not in known:
+        return error(404, f"model {model!r} is not served here; use {request.app.state.model_name!r}", "model_not_found")
+    return None
+
+
+@router.get("/v1/models")
+def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(request.app.state.model_name, request.app.state.started)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+def get_model(model_id: str, request: Request) -> Any:
+    if model_id != request.app.state.model_name:
+        return error(404, f"model {model_id!r} is not served here", "model_not_found")
+    return _model_card(model_id, request.app.state.started)
+
+
+def _prompts(body: CompletionRequest, tokenizer: Any) -> list[list[int]]:
+    p = body.prompt
+    if isinstance(p, str):
+        p = [p]
+    if not p:
+        raise ValueError("prompt is empty")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]  # type: ignore[arg-type]
+    return [tokenizer.encode(x) if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
+
+
+def _chat_prompt(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    messages = [m.as_template_input() for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+    except Exception as e:  # noqa: BLE001 - a template error is the caller's input problem
+        raise ValueError(f"the chat template failed on these messages: {e}") from e
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def _run(
+    request: Request, endpoint: str, body: SamplingFields, prompts: list[list[int]], max_new: int, top: int | None, build: Any
+) -> Any:
+    """Non-streamed: one engine call for every prompt x n; `build(outputs)` makes the response."""
+    engine = request.app.state.engine
+    start = time.monotonic()
+    outputs = await until_disconnect(
+        request,
+        engine.async_generate(
+            input_ids=prompts,
+            sampling_params=body.sampling_params(max_new),
+            return_logprob=top is not None,
+            top_logprobs_num=top or 0,
+            rid=body.rid,
+        ),
+    )
+    request.app.state.metrics.observe(endpoint, outputs, time.monotonic() - start)
+    return build(outputs)
+
+
+async def _open_streams(request: Request, body: SamplingFields, prompts: list[list[int]], max_new: int, top: int | None) -> list[AsyncIterator[dict]]:
+    """One engine stream per prompt x sample (seeds as the non-streamed call would give them);
+    each is started and its first output awaited, so bad input fails before the 200."""
+    engine = request.app.state.engine
+    params = body.sampling_params(max_new)
+    streams = []
+    for ids in prompts:
+        for j in range(body.n):
+            p = {**params, "n": 1, "seed": None if body.seed is None else body.seed + j}
+            streams.append(
+                await engine.async_generate(
+                    input_ids=ids, sampling_params=p, return_logprob=top is not None,
+                    top_logprobs_num=top or 0, stream=True,
+                )
+            )
+    firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+    failed = [f for f in firsts if isinstance(f, BaseException)]
+    if failed:
+        for s in streams:
+            await s.aclose()
+        raise failed[0]
+    return [_chain(first, s) for first, s in zip(firsts, streams)]
+
+
+async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+def _stream(request: Request, endpoint: str, streams: list[AsyncIterator[dict]], body: SamplingFields, chunk: Any) -> Any:
+    """SSE over merged choice streams. `chunk(index, out, state)` returns the events for one
+    update of choice `index`; `state` is that choice's dict of what was sent so far."""
+    metrics = request.app.state.metrics
+    start = time.monotonic()
+    states: list[dict] = [{"text": 0, "logprobs": 0, "first": True, "last": None} for _ in streams]
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    def on_item(i: int, out: dict) -> list[str]:
+        states[i]["last"] = out
+        return chunk(i, out, states[i])
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for event in gather_streams(streams, on_item):
+                yield event
+        except (ValueError, RuntimeError) as e:
+            yield error_event(e)
+            yield sse("[DONE]")
+            return
+        outs = [s["last"] for s in states]
+        metrics.observe(endpoint, outs, time.monotonic() - start)
+        if include_usage:
+            yield sse({**chunk(None, None, None)[0], "choices": [], "usage": usage(outs, body.n)})
+        yield sse("[DONE]")
+
+    metrics.ttft.observe(time.monotonic() - start)
+    return sse_response(events())
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    if (bad := _check_model(request, body.model)) is not None:
+        return bad
+    if body.echo and body.logprobs is not None:
+        return error(400, "echo together with logprobs is not supported")
+    engine = request.app.state.engine
+    prompts = _prompts(body, engine.tokenizer)
+    max_new = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    text_of = TokenText(engine.tokenizer)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
+    echo = [engine.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
+
+    if not body.stream:
+        def build(outputs: list[dict]) -> dict:
+            choices = []
+            for i, out in enumerate(outputs):
+                meta = out["meta_info"]
+                logprobs = completion_logprobs(meta, text_of, 0, 0) if body.logprobs is not None else None
+                choices.append({"index": i, "text": echo[i // body.n] + out["text"], "logprobs": logprobs,
+                                "finish_reason": finish_reason(meta), "matched_stop": matched_stop(meta)})
+            return {**head, "choices": choices, "usage": usage(outputs, body.n)}
+
+        return await _run(request, "v1/completions", body, prompts, max_new, body.logprobs, build)
+
+    def chunk(i: int | None, out: dict | None, st: dict | None) -> list[str]:
+        if out is None or st is None or i is None:
+            return [head]  # type: ignore[list-item]
+        meta = out["meta_info"]
+        text = out["text"][st["text"]:]
+        if st["first"]:
+            text, st["first"] = echo[i // body.n] + text, False
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(meta, text_of, st["logprobs"], st["text"])
+            st["logprobs"] = len(meta.get("output_token_logprobs", []))
+        st["text"] = len(out["text"])
+        reason = finish_reason(meta)
+        if not text and reason is None:
+            return []
+        choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        if reason is not None:
+            choice["matched_stop"] = matched_stop(meta)
+        return [sse({**head, "choices": [choice]})]
+
+    streams = await _open_streams(request, body, prompts, max_new, body.logprobs)
+    return _stream(request, "v1/completions", streams, body, chunk)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    if (bad := _check_model(request, body.model)) is not None:
+        return bad
+    engine = request.app.state.engine
+    prompts = [_chat_prompt(body, engine.tokenizer)]
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_new = limit if limit is not None else engine.info["context_length"]
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    text_of = TokenText(engine.tokenizer)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "created": created, "model": body.model}
+
+    if not body.stream:
+        def build(outputs: list[dict]) -> dict:
+            choices = []
+            for i, out in enumerate(outputs):
+                meta = out["meta_info"]
+                choices.append({
+                    "index": i,
+                    "message": {"role": "assistant", "content": out["text"]},
+                    "logprobs": chat_logprobs(meta, text_of, 0) if body.logprobs else None,
+                    "finish_reason": finish_reason(meta),
+                    "matched_stop": matched_stop(meta),
+                })
+            return {**head, "object": "chat.completion", "choices": choices, "usage": usage(outputs, body.n)}
+
+        return await _run(request, "v1/chat/completions", body, prompts, max_new, top, build)
+
+    chunk_head = {**head, "object": "chat.completion.chunk"}
+
+    def chunk(i: int | None, out: dict | None, st: dict | None) -> list[str]:
+        if out is None or st is None or i is None:
+            return [chunk_head]  # type: ignore[list-item]
+        events = []
+        if st["first"]:
+            st["first"] = False
+            delta = {"role": "assistant", "content": ""}
+            events.append(sse({**chunk_head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}))
+        meta = out["meta_info"]
+        text = out["text"][st["text"]:]
+        st["text"] = len(out["text"])
+        logprobs = None
+        if body.logprobs:
+            logprobs = chat_logprobs(meta, text_of, st["logprobs"])
+            st["logprobs"] = len(meta.get("output_token_logprobs", []))
+        reason = finish_reason(meta)
+        if text or reason is not None:
+            choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs, "finish_reason": reason}
+            if reason is not None:
+                choice["matched_stop"] = matched_stop(meta)
+            events.append(sse({**chunk_head, "choices": [choice]}))
+        return events
+
+    streams = await _open_streams(request, body, prompts, max_new, top)
+    return _stream(request, "v1/chat/completions", streams, body, chunk)

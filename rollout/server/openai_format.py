@@ -1,0 +1,80 @@
+"""Engine output dicts -> OpenAI response pieces (choices, logprobs, usage)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def finish_reason(meta: dict) -> str | None:
+    reason = meta.get("finish_reason")
+    return None if reason is None else reason["type"]
+
+
+def matched_stop(meta: dict) -> Any:
+    reason = meta.get("finish_reason") or {}
+    return reason.get("matched")
+
+
+class TokenText:
+    """Token id -> its text, memoized (logprob lists repeat the same ids a lot)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def completion_logprobs(meta: dict, text_of: TokenText, start: int, offset0: int) -> dict:
+    """Legacy completions logprobs of output tokens [start:], text offsets counted from offset0."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = offset0
+    tops = meta.get("output_top_logprobs") or []
+    for i, (lp, tid, _) in enumerate(meta.get("output_token_logprobs", [])[start:], start):
+        text = text_of(tid)
+        tokens.append(text)
+        token_logprobs.append(lp)
+        offsets.append(offset)
+        offset += len(text)
+        entries = tops[i] if i < len(tops) and tops[i] else []
+        top.append({text_of(t): v for v, t, _ in entries} if entries else None)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(meta: dict, text_of: TokenText, start: int) -> dict:
+    """Chat logprobs ({"content": [...]}) of output tokens [start:]."""
+    content = []
+    tops = meta.get("output_top_logprobs") or []
+    for i, (lp, tid, _) in enumerate(meta.get("output_token_logprobs", [])[start:], start):
+        text = text_of(tid)
+        entries = tops[i] if i < len(tops) and tops[i] else []
+        content.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": text_of(t), "logprob": v, "bytes": list(text_of(t).encode())}
+                    for v, t, _ in entries
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def usage(outputs: list[dict], n: int) -> dict:
+    """Prompt tokens count once per prompt (outputs are prompt-major, n per prompt); cached tokens
+    are those of each prompt's first sample, as a single request would see them."""
+    firsts = [o["meta_info"] for o in outputs[::n]]
+    prompt = sum(m["prompt_tokens"] for m in firsts)
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in firsts)},
+    }

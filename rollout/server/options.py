@@ -1,0 +1,36 @@
+"""Options of the HTTP server (the engine's own options live in rollout/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = _opt("127.0.0.1", "address to bind; 0.0.0.0 exposes the server to the network")
+    port: int = _opt(30000, "TCP port to listen on")
+    api_key: str | None = _opt(None, "if set, every endpoint but /health needs 'Authorization: Bearer KEY'")
+    admin_api_key: str | None = _opt(
+        None, "if set, admin endpoints (flush, abort_all, weights, memory) need this key instead"
+    )
+    served_model_name: str | None = _opt(None, "model id in the OpenAI API; defaults to model_path")
+    max_request_bytes: int = _opt(64 * 2**20, "largest request body accepted, in bytes")
+    allowed_weight_roots: tuple[str, ...] = _opt(
+        (), "directories under which /update_weights_from_disk may load checkpoints (repeatable)"
+    )
+    log_level: str = _opt("warning", "uvicorn log level: critical, error, warning, info, debug")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.log_level not in ("critical", "error", "warning", "info", "debug"):
+            raise ValueError(
+                f"log_level must be one of critical, error, warning, info, debug, got {self.log_level!r}"
+            )
