@@ -71,10 +71,36 @@ class SchedulerOptions:
 
 
 @dataclass(frozen=True)
+class WeightSyncOptions:
+    weight_update_backup: str = _opt(
+        "cpu",
+        "where an update that can fail midway keeps the values it overwrites until it commits: "
+        "cpu (pinned host memory) or device (faster; needs free device memory the size of the update)",
+    )
+    weight_sync_timeout_s: float = _opt(
+        300.0, "seconds to wait for the trainer when joining an update group and for each broadcast"
+    )
+    enable_weights_cpu_backup: bool = _opt(
+        False,
+        "keep a CPU copy of the weights while their GPU memory is released, so that resume restores "
+        "them; without it, push new weights after resume",
+    )
+
+    def __post_init__(self) -> None:
+        if self.weight_update_backup not in ("cpu", "device"):
+            raise ValueError(
+                f"weight_update_backup must be cpu or device, got {self.weight_update_backup!r}"
+            )
+        if not self.weight_sync_timeout_s > 0:
+            raise ValueError(f"weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     model: ModelOptions
     cache: CacheOptions = field(default_factory=CacheOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
+    weight_sync: WeightSyncOptions = field(default_factory=WeightSyncOptions)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineOptions:
@@ -88,7 +114,12 @@ class EngineOptions:
         return cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
 
 
-_PARTS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions}
+_PARTS = {
+    "model": ModelOptions,
+    "cache": CacheOptions,
+    "scheduler": SchedulerOptions,
+    "weight_sync": WeightSyncOptions,
+}
 
 
 def option_fields() -> list[dataclasses.Field]:

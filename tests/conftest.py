@@ -20,3 +20,19 @@ def tiny_qwen2(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen3")), "qwen3", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_perturbed(tiny_qwen3, tmp_path_factory) -> str:
+    """tiny_qwen3 with every weight moved by seeded noise: what a training step would push."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    path = str(tmp_path_factory.mktemp("tiny-qwen3-perturbed"))
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -18,6 +18,7 @@ from typing import Any
 from rollout.config import EngineOptions
 from rollout.engine.processes import Addresses, start_process, stop_process
 from rollout.engine.request_validation import GenerateInput, build_inputs
+from rollout.weight_sync import calls
 
 _END = object()
 
@@ -177,6 +178,87 @@ class RolloutEngine:
                 put(out)
         finally:
             put(_END)
+
+    # ---- weight sync (see rollout/weight_sync/) --------------------------------------------
+    # Each returns the scheduler's {"success": True, "message": ..., ...}; bad arguments raise
+    # TypeError/ValueError, an update that doesn't fit the model ValueError, a failed transfer
+    # WeightSyncError; a failed update leaves the previous weights and version serving.
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = calls.DEFAULT_GROUP, backend: str = "nccl", timeout_s: float | None = None,
+    ) -> dict:  # fmt: skip
+        """Joins the trainer's weight update group (the trainer is rank 0 and hosts it) as rank
+        rank_offset; returns once all ranks joined, or fails after timeout_s."""
+        return self._weight_call(calls.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
+        ))  # fmt: skip
+
+    def destroy_weights_update_group(self, group_name: str = calls.DEFAULT_GROUP) -> dict:
+        return self._weight_call(calls.destroy_weights_update_group(group_name))
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list, shapes: list[list[int]],
+        group_name: str = calls.DEFAULT_GROUP, flush_cache: bool = True,
+        weight_version: str | None = None, load_format: str | None = None,
+    ) -> dict:  # fmt: skip
+        """Receives these tensors from rank 0's broadcasts (see distributed_source for the
+        order) and loads them all or none. Blocks until done: broadcast from another thread."""
+        return self._weight_call(calls.update_weights_from_distributed(
+            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
+        ))  # fmt: skip
+
+    def update_weights_from_tensor(
+        self, named_tensors: Any, load_format: str | None = None, flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> dict:  # fmt: skip
+        """Loads tensors of this process (list of (name, tensor) or dict; FlatBucket(s) with
+        load_format="flattened_bucket"), or TensorHandles, all or none. Only CUDA IPC handles
+        or shared-memory names reach the scheduler; the tensors must not change until this returns."""
+        return self._weight_call(
+            calls.update_weights_from_tensor(named_tensors, load_format, flush_cache, weight_version)
+        )
+
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, weight_version: str | None = None
+    ) -> dict:
+        """Loads a checkpoint directory of the same network (config checked), all or none."""
+        return self._weight_call(calls.update_weights_from_disk(model_path, load_format, weight_version))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first truncate_size rows of a weight (HF name), as float lists."""
+        return self._weight_call(calls.get_weights_by_name(name, truncate_size))["values"]
+
+    def get_weight_version(self) -> str:
+        return self._weight_call(calls.WeightCall("get_weight_version", {}))["weight_version"]
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        """Publishes new_version (staged updates commit under it). Requests in flight go on
+        (and report the change) unless abort_all_requests."""
+        return self._weight_call(calls.update_weight_version(new_version, abort_all_requests))
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        """Stops stepping until continue_generation. abort: in-flight requests end (finish_reason
+        abort); retract: they go back to the queue and re-prefill later; in_place: they keep
+        their KV. New requests wait. Updates while paused apply together on continue."""
+        return self._weight_call(calls.pause_generation(mode))
+
+    def continue_generation(self) -> dict:
+        return self._weight_call(calls.WeightCall("continue_generation", {}))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Gives back the memory of tags (weights, kv_cache, cuda_graph; None: all). Requests in
+        flight are retracted and continue after resume; new ones wait."""
+        return self._weight_call(calls.release_memory_occupation(tags))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self._weight_call(calls.resume_memory_occupation(tags))
+
+    def _weight_call(self, call: calls.WeightCall) -> dict:
+        self._check_open()
+        try:
+            return calls.unwrap(self._call(self._tm.control(call.method, **call.kwargs)))
+        finally:
+            call.close()
 
     # ---- control --------------------------------------------------------------------------
     def flush_cache(self) -> dict:

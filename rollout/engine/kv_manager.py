@@ -1,7 +1,7 @@
 """KVManager: every KV slot and req->token row a request holds goes through here.
 
-Invariant (checked by `is_whole` when idle): free slots + slots held by the radix cache +
-slots held by live requests == pool size.
+Invariant (checked by `is_whole` when idle): free slots + slots held by the radix cache (and by
+the stale caches of older weights) + slots held by live requests == pool size.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ class KVManager:
         self.req_to_token = req_to_token
         self.cache = RadixCache(self.allocator, disable=disable_cache)
         self.num_slots = num_slots
+        # After a weight change: the caches of older weights, kept only while live requests still
+        # lock parts of them, and which of those caches each such request's row belongs to.
+        self.stale_caches: list[RadixCache] = []
+        self._stale_rows: dict[int, RadixCache] = {}
 
     def free_slots(self) -> int:
         """Slots obtainable now, evicting unlocked cache entries if need be."""
@@ -51,8 +55,8 @@ class KVManager:
     def insert_computed(self, req: Req) -> None:
         """After a prefill chunk: put the request's computed KV in the cache so requests arriving
         next (the other samples of a GRPO prompt) reuse it; the request keeps it locked."""
-        if self.cache.disable:
-            return  # the request keeps owning all its slots
+        if self.cache.disable or req.row in self._stale_rows:
+            return  # the request keeps owning all its (new) slots
         tokens = req.ids[: req.kv_len]
         slots = self.req_to_token.read(req.row, 0, req.kv_len).cpu()
         match = self.cache.cache_unfinished(tokens, slots, req.locked_node, req.prefix_len)
@@ -65,9 +69,19 @@ class KVManager:
         back to the table. Afterwards the request holds nothing and could be re-attached."""
         if req.row is None:
             return
-        tokens = req.ids[: req.kv_len]
-        slots = self.req_to_token.read(req.row, 0, req.kv_len).cpu()
-        self.cache.cache_finished(tokens, slots, req.locked_node, req.prefix_len)
+        stale = self._stale_rows.pop(req.row, None)
+        if stale is not None:
+            # KV of older weights: never cached again. Free what the request owns, unlock its
+            # prefix in the old cache, and drop that cache once nobody holds any of it.
+            self.allocator.free(self.req_to_token.read(req.row, req.prefix_len, req.kv_len).cpu())
+            stale.unlock(req.locked_node)
+            stale.evict(stale.evictable_size())
+            if stale.total_size() == 0:
+                self.stale_caches.remove(stale)
+        else:
+            tokens = req.ids[: req.kv_len]
+            slots = self.req_to_token.read(req.row, 0, req.kv_len).cpu()
+            self.cache.cache_finished(tokens, slots, req.locked_node, req.prefix_len)
         self.req_to_token.free(req.row)
         req.row, req.locked_node = None, None
         req.prefix_len = req.kv_len = 0
@@ -76,14 +90,36 @@ class KVManager:
         """Drops the whole prefix cache. Only when no request holds KV."""
         self.cache.reset()
 
+    def invalidate_cache(self, live: list[Req]) -> None:
+        """The weights changed: no request attached from now on reuses KV computed before. The
+        cache starts empty; what the old one held is freed, except prefixes that `live` requests
+        lock: those stay until the request releases them, and nothing a live request computed
+        (before or after this call) is cached again."""
+        old = self.cache
+        self.cache = RadixCache(self.allocator, disable=old.disable)
+        if old.disable:
+            return
+        for req in live:
+            if req.row is not None:
+                self._stale_rows.setdefault(req.row, old)
+        old.evict(old.evictable_size())
+        if old.total_size():
+            self.stale_caches.append(old)
+
+    def _stale_size(self) -> int:
+        return sum(c.total_size() for c in self.stale_caches)
+
     def is_whole(self) -> bool:
-        return self.allocator.available() + self.cache.total_size() == self.num_slots
+        held = self.cache.total_size() + self._stale_size()
+        return self.allocator.available() + held == self.num_slots
 
     def usage(self) -> dict[str, int]:
+        held = self.cache.total_size() + self._stale_size()
         return {
             "kv_total": self.num_slots,
             "kv_free": self.allocator.available(),
             "kv_cached": self.cache.total_size(),
             "kv_evictable": self.cache.evictable_size(),
-            "kv_in_requests": self.num_slots - self.allocator.available() - self.cache.total_size(),
+            "kv_stale": self._stale_size(),
+            "kv_in_requests": self.num_slots - self.allocator.available() - held,
         }

@@ -27,9 +27,23 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)creates the K/V buffers, zeroed."""
+        shape = (self.num_slots + 1, self.num_kv_heads, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def free(self) -> None:
+        """Drops the K/V buffers so their memory goes back; nothing may run until `allocate`."""
+        self.k, self.v = [], []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -87,6 +87,8 @@ class ReqOutput:
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     hidden_states: list[list[float]] | None = None
+    # {"offset": k, "weight_version": v}: output tokens from k on came from version v's weights.
+    weight_version_changes: list[dict[str, Any]] | None = None
     # On a request's first output only: how the detokenizer turns its ids into text.
     decode_params: DecodeParams | None = None
     # Filled in by the detokenizer:

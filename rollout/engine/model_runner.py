@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout.config import EngineOptions
+from rollout.engine import memory_regions
 from rollout.engine.attention import create_attention_backend
 from rollout.engine.forward_batch import ForwardBatch
 from rollout.engine.kv_pool import KVPool, ReqToTokenPool
@@ -55,7 +56,10 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mopts.dtype, hf_config)
-        self.model = load_model(mopts.model_path, hf_config, self.dtype, self.device, mopts.load_format)
+        # Weights and KV live in tagged regions so that memory release can give them back.
+        backup = options.weight_sync.enable_weights_cpu_backup
+        with memory_regions.region("weights", self.device, enable_cpu_backup=backup):
+            self.model = load_model(mopts.model_path, hf_config, self.dtype, self.device, mopts.load_format)
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
         self.attn_backend = create_attention_backend(mopts.attention_backend)
@@ -67,7 +71,8 @@ class ModelRunner:
         )
         num_layers = text_cfg.num_hidden_layers
         self.num_slots = self._kv_slots(options, num_layers, num_kv_heads, head_dim)
-        self.kv_pool = KVPool(num_layers, self.num_slots, num_kv_heads, head_dim, self.dtype, self.device)
+        with memory_regions.region("kv_cache", self.device):
+            self.kv_pool = KVPool(num_layers, self.num_slots, num_kv_heads, head_dim, self.dtype, self.device)
         self.context_length = min(context_length, self.num_slots)
         # One spare row: a request leaving and one arriving may overlap within a step.
         self.req_to_token = ReqToTokenPool(

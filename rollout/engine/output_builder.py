@@ -41,7 +41,7 @@ def accumulate(acc: Accumulated, out: ReqOutput) -> None:
     acc.text += out.text
     acc.output_ids.extend(out.new_ids)
     acc.last = out
-    for key in (*_LOGPROB_KEYS, "hidden_states"):
+    for key in (*_LOGPROB_KEYS, "hidden_states", "weight_version_changes"):
         values = getattr(out, key)
         if values:
             acc.lists.setdefault(key, []).extend(values)
@@ -56,6 +56,9 @@ def build_output(acc: Accumulated, latency: float) -> dict[str, Any]:
         "cached_tokens": out.cached_tokens,
         "finish_reason": out.finish_reason,
         "weight_version": out.weight_version,
+        # Where the weights changed under this request (updates while it ran): an entry
+        # {"offset": k, "weight_version": v} means output_ids[k:] came from version v on.
+        "weight_version_changes": acc.lists.get("weight_version_changes", []),
         "e2e_latency": latency,
     }
     if acc.inp.return_logprob:

@@ -43,6 +43,8 @@ class Scheduler:
         self.chunked: Req | None = None  # mid-prefill; continues first in the next prefill
         self.to_report: list[Req] = []  # finished, or streaming with new tokens
         self.weight_version = "default"
+        # Why stepping is held (generation paused, memory released, ...): requests wait meanwhile.
+        self.holds: set[str] = set()
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0}
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -67,6 +69,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
+    def can_step(self) -> bool:
+        return self.has_work() and not self.holds
+
     def flush_cache(self) -> dict:
         if self.has_work():
             return {"success": False, "message": "cannot flush the cache while requests are running"}
@@ -76,7 +81,7 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Runs one batch if there is work; returns the requests with something to report."""
-        batch = self._plan_prefill() or self._plan_decode()
+        batch = None if self.holds else (self._plan_prefill() or self._plan_decode())
         if batch is not None:
             outs = self.runner.forward(batch)
             self._apply(batch, outs)
@@ -150,6 +155,29 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.stats["retractions"] += 1
         logger.info("retracted %s: KV pool full (%d running)", req.rid, len(self.running))
+
+    def retract_all(self) -> int:
+        """Puts every running and mid-prefill request back at the head of the queue, in order,
+        releasing its KV; each re-prefills (from the cache while it lasts) once stepping resumes.
+        Returns how many were retracted."""
+        reqs = [*self.running, *([self.chunked] if self.chunked is not None else [])]
+        self.running, self.chunked = [], None
+        for req in reversed(reqs):
+            self.kv.release(req)
+            self.waiting.appendleft(req)
+        return len(reqs)
+
+    def publish_weight_version(self, version: str, weights_changed: bool) -> None:
+        """From the next step on, outputs carry `version`. A request that already computed
+        something records where the version changed; with new weights, no request attached
+        later reuses KV computed before (live requests keep theirs and continue in place)."""
+        for req in self._live():
+            if req.output_ids or req.kv_len:
+                change = {"offset": len(req.output_ids), "weight_version": version}
+                req.add_pending("weight_version_changes", change)
+        if weights_changed:
+            self.kv.invalidate_cache(self._live())
+        self.weight_version = version
 
     # ---- results --------------------------------------------------------------------------
     def _apply(self, batch: ScheduleBatch, outs: list[ReqStepOutput]) -> None:
@@ -233,6 +261,7 @@ class Scheduler:
             input_top_logprobs=p.get("input_top_logprobs"),
             input_token_ids_logprobs=p.get("input_token_ids_logprobs"),
             hidden_states=p.get("hidden_states"),
+            weight_version_changes=p.get("weight_version_changes"),
             decode_params=decode_params,
         )
 

@@ -54,6 +54,7 @@ class SchedulerProcess:
         from rollout.engine.model_runner import ModelRunner
         from rollout.engine.scheduler import Scheduler
         from rollout.engine.stop_checker import StopChecker
+        from rollout.weight_sync.controller import WeightSyncController
 
         mopts = options.model
         hf_config = AutoConfig.from_pretrained(mopts.model_path)
@@ -62,6 +63,7 @@ class SchedulerProcess:
         context = mopts.context_length or getattr(hf_config, "max_position_embeddings", 4096)
         self.runner = ModelRunner(options, hf_config, context, eos)
         self.scheduler = Scheduler(options, self.runner, StopChecker(tokenizer, eos))
+        self.weight_sync = WeightSyncController(self.runner, self.scheduler, options)
         self.info = {
             "model_path": mopts.model_path,
             "architecture": (hf_config.architectures or ["?"])[0],
@@ -90,7 +92,8 @@ class SchedulerProcess:
             return ControlReply(msg.call_id, "shutdown")
         methods = {
             "flush_cache": s.flush_cache,
-            "get_server_info": lambda: {**self.info, **s.server_info()},
+            "get_server_info": lambda: {**self.info, **s.server_info(), **self.weight_sync.info()},
+            **self.weight_sync.methods(),
         }
         if msg.method not in methods:
             return ControlReply(msg.call_id, error=f"unknown control method {msg.method!r}")
@@ -101,7 +104,7 @@ class SchedulerProcess:
 
     def loop(self, recv: zmq.Socket, send: zmq.Socket) -> None:
         while True:
-            if not self.scheduler.has_work():
+            if not self.scheduler.can_step():
                 recv.poll(IDLE_POLL_MS)
             replies: list[ControlReply] = []
             while recv.poll(0):

@@ -160,6 +160,16 @@ class LlamaForCausalLM(nn.Module):
         tied_head = self.tie_word_embeddings and hf_name == "lm_head.weight"
         return tied_head or hf_name.endswith(_IGNORED_SUFFIXES)
 
+    def hf_weight(self, hf_name: str) -> torch.Tensor:
+        """The live view of `hf_name`'s values inside its (possibly fused) parameter: reading it
+        gives what is loaded, writing it changes the model. KeyError for a name this model lacks
+        (ignored names included: they have no storage here)."""
+        if hf_name not in self._hf_targets:
+            raise KeyError(f"unknown parameter {hf_name!r} for {type(self).__name__}")
+        name, start, rows = self._hf_targets[hf_name]
+        dest = self.get_parameter(name).data
+        return dest if rows is None else dest[start : start + rows]
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies HF-named tensors into the (fused) parameters, casting dtype and device, and
@@ -171,12 +181,7 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if self.is_ignored_weight(hf_name):
                 continue
-            if hf_name not in self._hf_targets:
-                raise KeyError(f"unknown parameter {hf_name!r} for {type(self).__name__}")
-            name, start, rows = self._hf_targets[hf_name]
-            dest = self.get_parameter(name).data
-            if rows is not None:
-                dest = dest[start : start + rows]
+            dest = self.hf_weight(hf_name)
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(
                     f"shape mismatch for {hf_name!r}: expected {list(dest.shape)}, "

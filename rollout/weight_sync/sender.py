@@ -1,0 +1,215 @@
+"""WeightSender: the trainer's side of a weight update, in a few lines of trainer code.
+
+    sender = WeightSender(engine, method="tensor")       # or "distributed", "disk"
+    sender.push(policy_model, weight_version=f"step-{step}")
+
+It takes an nn.Module (its named parameters, HF names) or a dict of HF name -> tensor, casts to
+the engine's dtype, and pushes through one of the three paths. `target` is a RolloutEngine or
+anything with the same methods (RolloutClient). Every push is one transaction on the engine:
+all weights or none.
+
+- tensor: tensors already in the engine's dtype on a GPU are sent as they are (their IPC
+  handles stay the same from step to step); others are packed into buckets that this sender
+  keeps between steps (same buffers, same handles: the receiver doesn't reopen them). By
+  default all buckets go in one call, so the trainer holds one packed copy; with
+  `stream_buckets=True` one bucket buffer is reused call after call while generation is
+  paused (in place), which the engine applies together when it continues.
+- distributed: the engine joins a group this sender creates (rank 0); one broadcast per
+  tensor, or per dtype with load_format="flattened_bucket".
+- disk: writes a safetensors checkpoint (with the engine's config.json) to `disk_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollout.weight_sync import distributed_source
+from rollout.weight_sync.calls import DEFAULT_GROUP
+from rollout.weight_sync.flat_bucket import FlatBucket, layout
+from rollout.weight_sync.specs import WeightSpec, check_unique, dtype_name, parse_dtype
+from rollout.weight_sync.update_group import UpdateGroup
+
+METHODS = ("tensor", "distributed", "disk")
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+def named_weights(weights: nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of a module's parameters (tied ones once) or of a dict."""
+    if isinstance(weights, nn.Module):
+        pairs = [(n, p.detach()) for n, p in weights.named_parameters()]
+    elif isinstance(weights, Mapping):
+        pairs = [(n, t.detach() if isinstance(t, torch.Tensor) else t) for n, t in weights.items()]
+    else:
+        raise TypeError(f"weights must be an nn.Module or a dict of name -> tensor, got {type(weights).__name__}")
+    bad = [n for n, t in pairs if not isinstance(n, str) or not isinstance(t, torch.Tensor)]
+    if bad or not pairs:
+        raise TypeError(f"weights must map names to tensors; bad entries: {bad[:3]}" if bad else "no weights given")
+    check_unique([n for n, _ in pairs])
+    return pairs
+
+
+class WeightSender:
+    def __init__(
+        self,
+        target: Any,
+        method: str = "tensor",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        stream_buckets: bool = False,
+        disk_dir: str | None = None,
+    ) -> None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if method == "disk" and not disk_dir:
+            raise ValueError("method='disk' needs disk_dir, where the checkpoint is written")
+        self.target, self.method = target, method
+        self.bucket_bytes, self.stream_buckets, self.disk_dir = bucket_bytes, stream_buckets, disk_dir
+        info = target.get_server_info()
+        self.dtype = parse_dtype(info["dtype"])
+        self.engine_model_path = info.get("model_path")
+        self.group: UpdateGroup | None = None
+        self._buckets: list[FlatBucket] = []
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sender")
+
+    # ---- distributed ------------------------------------------------------------------------
+    def init_group(
+        self, master_address: str, master_port: int, backend: str = "nccl",
+        group_name: str = DEFAULT_GROUP, timeout_s: float = 300.0, device: Any = None,
+    ) -> None:  # fmt: skip
+        """Creates the update group (this process is rank 0) and has the engine join it.
+        `device`: this process's GPU for NCCL."""
+        if self.method != "distributed":
+            raise ValueError(f"init_group is for method='distributed', this sender uses {self.method!r}")
+        joined = self._pool.submit(
+            self.target.init_weights_update_group,
+            master_address, master_port, 1, 2, group_name, backend, timeout_s,
+        )  # fmt: skip
+        try:
+            self.group = UpdateGroup.join(master_address, master_port, 0, 2, group_name, backend, timeout_s, device)
+        finally:
+            joined.result()  # the engine's error, if it failed to join
+
+    # ---- pushing ----------------------------------------------------------------------------
+    def push(
+        self, weights: nn.Module | Mapping[str, torch.Tensor], weight_version: str | None = None,
+        load_format: str | None = None,
+    ) -> dict:  # fmt: skip
+        """Pushes every weight; returns the engine's result (it raises if the update failed,
+        leaving the engine's previous weights serving). `load_format` is for distributed."""
+        named = named_weights(weights)
+        if self.method == "distributed":
+            return self._push_distributed(named, weight_version, load_format)
+        if self.method == "disk":
+            return self._push_disk(named, weight_version)
+        return self._push_tensor(named, weight_version)
+
+    def _push_distributed(self, named: list, version: str | None, load_format: str | None) -> dict:
+        if self.group is None:
+            raise RuntimeError("call init_group before pushing through the distributed path")
+        named = [(n, t.to(self.dtype)) for n, t in named]
+        done = self._pool.submit(
+            self.target.update_weights_from_distributed,
+            [n for n, _ in named], [dtype_name(self.dtype)] * len(named), [list(t.shape) for _, t in named],
+            self.group.name, True, version, load_format,
+        )  # fmt: skip
+        try:
+            distributed_source.send(self.group, named, load_format)
+        finally:
+            result = done.result()
+        return result
+
+    def _push_tensor(self, named: list, version: str | None) -> dict:
+        if all(t.is_cuda and t.dtype == self.dtype and t.is_contiguous() for _, t in named):
+            return self.target.update_weights_from_tensor(named, weight_version=version)
+        groups = self._bucket_groups(named)
+        if not self.stream_buckets:
+            buckets = self._ensure_buckets(groups, named[0][1].device)
+            for bucket, group in zip(buckets, groups):
+                bucket.fill(group)
+            return self.target.update_weights_from_tensor(buckets, "flattened_bucket", weight_version=version)
+        return self._push_streamed(groups, named[0][1].device, version)
+
+    def _push_streamed(self, groups: list, device: torch.device, version: str | None) -> dict:
+        was_paused = self.target.get_server_info().get("generation_paused") is not None
+        if not was_paused:
+            self.target.pause_generation(mode="in_place")
+        try:
+            for group in groups:
+                specs = [WeightSpec(n, tuple(t.shape), self.dtype) for n, t in group]
+                bucket = self._shared_bucket(specs, device)
+                bucket.fill(group)
+                self.target.update_weights_from_tensor(bucket, "flattened_bucket", weight_version=version)
+        finally:
+            result = self.target.continue_generation() if not was_paused else {"success": True}
+        return result
+
+    def _bucket_groups(self, named: list) -> list[list[tuple[str, torch.Tensor]]]:
+        groups, size = [[]], 0
+        for name, tensor in named:
+            nbytes = tensor.numel() * self.dtype.itemsize
+            if groups[-1] and size + nbytes > self.bucket_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append((name, tensor))
+            size += nbytes
+        return groups
+
+    def _ensure_buckets(self, groups: list, device: torch.device) -> list[FlatBucket]:
+        """One kept bucket per group; made again only when the names, shapes or device change."""
+        wanted = [[WeightSpec(n, tuple(t.shape), self.dtype) for n, t in g] for g in groups]
+        have = [b.specs for b in self._buckets]
+        if have != wanted or any(b.device != device for b in self._buckets):
+            self.free_buckets()
+            self._buckets = [FlatBucket.allocate(specs, device) for specs in wanted]
+        return self._buckets
+
+    def _shared_bucket(self, specs: list[WeightSpec], device: torch.device) -> FlatBucket:
+        """A bucket for `specs` over the one kept buffer (grown when too small)."""
+        entries, nbytes = layout(specs)
+        kept = self._buckets[0] if len(self._buckets) == 1 and not self._buckets[0].entries else None
+        if kept is None or kept.buffer.numel() < nbytes or kept.device != device:
+            self.free_buckets()
+            kept = FlatBucket.allocate_raw(max(nbytes, self.bucket_bytes), device)
+            self._buckets = [kept]
+        base = kept
+        return FlatBucket(base.buffer[:nbytes], entries, base.block)
+
+    def _push_disk(self, named: list, version: str | None) -> dict:
+        from safetensors.torch import save_file
+
+        assert self.disk_dir is not None
+        os.makedirs(self.disk_dir, exist_ok=True)
+        config = os.path.join(self.engine_model_path or "", "config.json")
+        if not os.path.isfile(config):
+            raise FileNotFoundError(f"the engine's config.json is not readable here ({config}); copy it to {self.disk_dir}")
+        shutil.copyfile(config, os.path.join(self.disk_dir, "config.json"))
+        tensors = {n: t.to("cpu", self.dtype).contiguous() for n, t in named}
+        save_file(tensors, os.path.join(self.disk_dir, "model.safetensors"))
+        return self.target.update_weights_from_disk(self.disk_dir, weight_version=version)
+
+    # ---- teardown ---------------------------------------------------------------------------
+    def free_buckets(self) -> None:
+        for bucket in self._buckets:
+            bucket.close()
+        self._buckets = []
+
+    def close(self) -> None:
+        """Leaves the update group (the engine too) and frees the buckets."""
+        if self.group is not None:
+            name = self.group.name
+            self.group.close()
+            self.group = None
+            try:
+                self.target.destroy_weights_update_group(name)
+            except (ValueError, RuntimeError):
+                pass  # the engine already dropped it
+        self.free_buckets()
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,102 @@
+"""WeightTransaction: load HF-named tensors so that a whole update takes effect, or none of it.
+
+The model's own `load_weights` copies tensor by tensor and stops at the first error, leaving
+earlier tensors loaded. A transaction wraps it: the first write to each weight first saves what
+the weight held (on the host or the device), so `rollback` can put every saved value back
+bitwise. Sources that hold every tensor before the first write (and were validated) need no
+backup: nothing after validation can fail but the device itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class HostBuffers:
+    """Host copies reused from one update to the next (pinned when the model is on a GPU:
+    pinning is slow to set up but makes the copies asynchronous)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def like(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+            self._buffers[name] = buf
+        return buf
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+class WeightTransaction:
+    def __init__(
+        self,
+        model: nn.Module,
+        backup: str | None,
+        host_buffers: HostBuffers | None = None,
+        no_backup_for: frozenset[str] = frozenset(),
+    ) -> None:
+        """backup: "cpu", "device" or None (no rollback once written). `no_backup_for`: weights
+        whose current values are worthless (released without a copy): never saved."""
+        if backup not in (None, "cpu", "device"):
+            raise ValueError(f"backup must be cpu, device or None, got {backup!r}")
+        self.model = model
+        self.backup = backup
+        self.host_buffers = host_buffers or HostBuffers()
+        self.no_backup_for = no_backup_for
+        self._saved: dict[str, torch.Tensor] = {}
+        self.loaded: dict[str, None] = {}  # names in first-load order
+
+    @property
+    def written(self) -> bool:
+        return bool(self.loaded)
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Writes one (validated) weight, saving its old value first when backing up."""
+        if self.model.is_ignored_weight(name):
+            return
+        view = self.model.hf_weight(name)
+        if self.backup and name not in self._saved and name not in self.no_backup_for:
+            if self.backup == "device":
+                self._saved[name] = view.clone()
+            else:
+                # NOTE: non_blocking is safe: the load below is queued after this copy on the
+                # same stream, so the copy reads the old values.
+                self._saved[name] = self.host_buffers.like(name, view).copy_(view, non_blocking=True)
+        self.loaded[name] = None
+        self.model.load_weights([(name, tensor)])
+
+    def unrecoverable(self) -> list[str]:
+        """Weights written without a saved value to return to."""
+        return [n for n in self.loaded if n not in self._saved and n not in self.no_backup_for]
+
+    @torch.no_grad()
+    def rollback(self) -> bool:
+        """Restores every saved weight; True when the model is back to its values before the
+        transaction (False: `unrecoverable()` names what could not be restored)."""
+        for name, saved in self._saved.items():
+            self.model.hf_weight(name).copy_(saved, non_blocking=True)
+        self._sync()
+        complete = not self.unrecoverable()
+        self._saved.clear()
+        self.loaded.clear()
+        return complete
+
+    def commit(self) -> list[str]:
+        """Keeps what was loaded; returns the names written."""
+        self._sync()
+        self._saved.clear()
+        names = list(self.loaded)
+        self.loaded.clear()
+        return names
+
+    def _sync(self) -> None:
+        # Loads and restores are queued on the device: finish them before the caller reuses
+        # (or the sender frees) any buffer they read.
+        param = next(self.model.parameters())
+        if param.is_cuda:
+            torch.cuda.current_stream(param.device).synchronize()

@@ -1,0 +1,154 @@
+"""UpdateGroup: the process group a trainer (rank 0) and the engine's ranks join to move weights.
+
+It is made directly from a TCPStore and a ProcessGroupGloo / ProcessGroupNCCL, never through
+`torch.distributed.init_process_group`, so neither side's default group is touched (a trainer
+already has one). Rank 0 hosts the store and is the only sender. Joining and every broadcast
+are bounded by the group's timeout; a group whose broadcast failed is closed (join a new one).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("nccl", "gloo")
+# The NCCL watchdog gets this much longer than our own deadline, so that our deadline (which
+# aborts the group and reports a clear error) always fires first.
+NCCL_WATCHDOG_MARGIN_S = 30.0
+
+
+class WeightSyncError(RuntimeError):
+    """A weight transfer failed (the peer died, timed out, or sent something unusable)."""
+
+
+def check_group_args(
+    master_address: Any, master_port: Any, rank: Any, world_size: Any, group_name: Any, backend: Any
+) -> None:
+    if not isinstance(master_address, str) or not master_address:
+        raise ValueError(f"master_address must be a host name or address, got {master_address!r}")
+    if not isinstance(master_port, int) or isinstance(master_port, bool) or not 0 < master_port < 65536:
+        raise ValueError(f"master_port must be an int in (0, 65536), got {master_port!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
+        raise ValueError(f"world_size must be an int >= 2 (the trainer and the engine), got {world_size!r}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    if not isinstance(group_name, str) or not group_name:
+        raise ValueError(f"group_name must be a non-empty string, got {group_name!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+@dataclass
+class UpdateGroup:
+    name: str
+    backend: str
+    rank: int
+    world_size: int
+    timeout_s: float
+    device: torch.device  # where broadcast buffers live: the GPU for NCCL, the host for gloo
+    _pg: Any = field(repr=False, default=None)
+    _store: Any = field(repr=False, default=None)
+
+    @classmethod
+    def join(
+        cls,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+        device: torch.device | str | None = None,
+    ) -> UpdateGroup:
+        """Joins (rank 0: creates) the group; returns once every rank has joined, or raises
+        WeightSyncError after `timeout_s`. `device`: the GPU an NCCL rank uses."""
+        check_group_args(master_address, master_port, rank, world_size, group_name, backend)
+        if backend == "nccl":
+            if device is None or torch.device(device).type != "cuda":
+                raise ValueError(f"the nccl backend needs a CUDA device, got {device!r}; use gloo")
+            # Our own deadline aborts the group; the watchdog must not end the process instead.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        buffers = torch.device(device) if backend == "nccl" else torch.device("cpu")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(
+                master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                wait_for_workers=False,
+            )
+            prefixed = dist.PrefixStore(f"rollout-weights/{group_name}", store)
+            if backend == "gloo":
+                pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            else:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts.is_high_priority_stream = False
+                opts._timeout = datetime.timedelta(seconds=timeout_s + NCCL_WATCHDOG_MARGIN_S)
+                pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        except (RuntimeError, OSError) as e:
+            raise WeightSyncError(
+                f"could not join weight update group {group_name!r} at {master_address}:{master_port} "
+                f"as rank {rank} of {world_size} within {timeout_s:g} s: {e}"
+            ) from e
+        group = cls(group_name, backend, rank, world_size, timeout_s, buffers, pg, store)
+        group.broadcast(torch.zeros(1, device=buffers), "joining")  # every rank is there
+        return group
+
+    def broadcast(self, tensor: torch.Tensor, what: str = "a broadcast") -> None:
+        """Sends `tensor` (rank 0) or receives into it (others), within the group's timeout.
+        On failure the group is closed and WeightSyncError raised."""
+        if self._pg is None:
+            raise WeightSyncError(f"weight update group {self.name!r} is closed; join a new one")
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        try:
+            work = self._pg.broadcast([tensor], opts)
+            self._wait(work)
+        except (RuntimeError, TimeoutError) as e:
+            self.close(failed=True)
+            peer = "the trainer" if self.rank else "an engine rank"
+            raise WeightSyncError(
+                f"{what} in weight update group {self.name!r} failed ({peer} died, stalled for "
+                f"{self.timeout_s:g} s, or left): {e}. The group is closed; join a new one."
+            ) from e
+
+    def _wait(self, work: Any) -> None:
+        if self.backend == "gloo":
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            return
+        # NCCL's wait only orders streams; poll its completion on the host to bound the time.
+        deadline = time.monotonic() + self.timeout_s
+        pause = 2e-5
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no completion within {self.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        work.wait()  # raises the transport's error, if any
+
+    def close(self, failed: bool = False) -> None:
+        """Leaves the group. After a failure the group is aborted first; dropping it may block
+        until its own timeout, so that happens on a background thread."""
+        held = [self._pg, self._store]
+        self._pg = self._store = None
+        if held[0] is None:
+            return
+        try:
+            held[0].abort() if failed else held[0].shutdown()
+        except RuntimeError as e:
+            logger.warning("closing weight update group %r: %s", self.name, e)
+        threading.Thread(target=held.clear, name=f"drop-{self.name}", daemon=True).start()
+
+    @property
+    def closed(self) -> bool:
+        return self._pg is None

@@ -1,0 +1,124 @@
+"""Weight sync on CUDA: IPC handoff (no bytes through the scheduler's pipe), NCCL between two
+GPUs, and memory release through torch-memory-saver. Outputs against transformers on the GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+import socket
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollout import RolloutEngine
+from rollout.weight_sync.sender import WeightSender
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+NEW_TOKENS = 10
+GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+_rng = random.Random(3)
+PROMPTS = [[_rng.randrange(3, 800) for _ in range(n)] for n in (5, 30, 64)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hf(path: str, device: str = "cuda:0") -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
+def _hf_greedy(model: torch.nn.Module) -> list[list[int]]:
+    device = next(model.parameters()).device
+    outs = []
+    with torch.no_grad():
+        for ids in PROMPTS:
+            out = model.generate(
+                torch.tensor([ids], device=device), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+                max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            outs.append(out[0, len(ids) :].tolist())
+    return outs
+
+
+def _greedy(engine) -> list[list[int]]:
+    return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+def test_cuda_ipc_handoff_matches_transformers(tiny_qwen3, tiny_qwen3_perturbed):
+    perturbed = _hf(tiny_qwen3_perturbed)
+    expected = _hf_greedy(perturbed)
+    with RolloutEngine(tiny_qwen3, dtype="float32", device="cuda") as engine:
+        sender = WeightSender(engine, method="tensor", bucket_bytes=64 << 10)
+        # fp32 parameters on the GPU go as they are: one IPC handle per parameter storage.
+        sender.push(perturbed, weight_version="ipc-1")
+        assert _greedy(engine) == expected
+        engine.update_weights_from_disk(tiny_qwen3)
+        sender.push(perturbed, weight_version="ipc-2")  # the same handles again (cached open)
+        assert _greedy(engine) == expected
+        # bf16 weights are cast into kept CUDA buckets (one handle per bucket).
+        rounded = copy.deepcopy(perturbed).to(torch.bfloat16)  # Module.to works in place
+        sender.push(rounded, weight_version="ipc-3")
+        assert _greedy(engine) == _hf_greedy(copy.deepcopy(rounded).to(torch.float32))
+        sender.free_buckets()
+        # Host tensors into a GPU engine travel as shared memory.
+        engine.update_weights_from_tensor({n: p.detach().cpu() for n, p in perturbed.named_parameters()})
+        assert _greedy(engine) == expected
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_between_two_gpus_matches_transformers(tiny_qwen3, tiny_qwen3_perturbed):
+    trainer_model = _hf(tiny_qwen3_perturbed, "cuda:1")
+    expected = _hf_greedy(trainer_model)
+    with RolloutEngine(tiny_qwen3, dtype="float32", device="cuda:0") as engine:
+        sender = WeightSender(engine, method="distributed")
+        sender.init_group("127.0.0.1", _free_port(), backend="nccl", timeout_s=60, device="cuda:1")
+        try:
+            sender.push(trainer_model, weight_version="nccl-1")
+            assert _greedy(engine) == expected
+            engine.update_weights_from_disk(tiny_qwen3)
+            sender.push(trainer_model, weight_version="nccl-2", load_format="flattened_bucket")
+            assert _greedy(engine) == expected
+        finally:
+            sender.close()
+
+
+def _free_bytes() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info(0)[0]
+
+
+@pytest.mark.parametrize("cpu_backup", [True, False], ids=["cpu-backup", "push-after-resume"])
+def test_release_frees_the_engines_memory_and_resume_serves_the_same_outputs(tiny_qwen3, cpu_backup):
+    pytest.importorskip("torch_memory_saver")
+    before_engine = _free_bytes()
+    with RolloutEngine(tiny_qwen3, dtype="float32", device="cuda", enable_weights_cpu_backup=cpu_backup) as engine:
+        reference = _greedy(engine)
+        loaded = _free_bytes()
+        used = before_engine - loaded
+        engine.release_memory_occupation()
+        assert _free_bytes() - loaded >= 0.95 * used, (used, _free_bytes() - loaded)
+        engine.resume_memory_occupation()
+        if cpu_backup:
+            assert engine.get_server_info()["weights_missing"] == 0
+            assert _greedy(engine) == reference
+            return
+        # Without a copy the weights must be pushed again; requests wait until then.
+        assert engine.get_server_info()["weights_missing"] > 0
+
+        async def run() -> list[dict]:
+            waiting = asyncio.ensure_future(engine.async_generate(input_ids=PROMPTS, sampling_params=GREEDY))
+            await asyncio.sleep(1.0)
+            assert not waiting.done()
+            engine.update_weights_from_disk(tiny_qwen3)
+            return await waiting
+
+        assert [o["output_ids"] for o in asyncio.run(run())] == reference

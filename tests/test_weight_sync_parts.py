@@ -1,0 +1,207 @@
+"""Weight-sync building blocks, in process: spec checks, transactions, buckets and tensor handles,
+stale-KV invalidation, version labels, update-group timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from rollout.engine.kv_manager import KVManager
+from rollout.engine.kv_pool import ReqToTokenPool
+from rollout.engine.messages import TokenizedRequest
+from rollout.engine.req import Req
+from rollout.engine.sampling_params import SamplingParams
+from rollout.models.loader import load_model
+from rollout.weight_sync.flat_bucket import FlatBucket
+from rollout.weight_sync.specs import WeightSpec, build_specs, check_against_model
+from rollout.weight_sync.tensor_handles import TensorHandles, open_tensors, share_tensors
+from rollout.weight_sync.transaction import WeightTransaction
+from rollout.weight_sync.update_group import UpdateGroup, WeightSyncError
+from rollout.weight_sync.versions import VersionLabels
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3):
+    return load_model(tiny_qwen3, AutoConfig.from_pretrained(tiny_qwen3), torch.float32, "cpu")
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _same(model, snap) -> bool:
+    return all(torch.equal(p, snap[n]) for n, p in model.named_parameters())
+
+
+def test_specs_are_checked_as_a_whole_before_loading(model):
+    expected = model.hf_param_shapes()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    shape, dtype = expected[name]
+    good = WeightSpec(name, shape, dtype)
+    assert check_against_model([good], expected, model.is_ignored_weight) == [good]
+    bad = [
+        good,
+        WeightSpec("model.layers.9.mlp.up_proj.weight", (1,), dtype),
+        WeightSpec("model.norm.weight", (3,), dtype),
+        WeightSpec("model.embed_tokens.weight", expected["model.embed_tokens.weight"][0], torch.float16),
+    ]
+    with pytest.raises(ValueError) as err:
+        check_against_model(bad, expected, model.is_ignored_weight)
+    text = str(err.value)
+    assert "unknown weight name" in text and "layers.9" in text
+    assert "model.norm.weight must be [64], got [3]" in text
+    assert "embed_tokens.weight must be float32, got float16" in text
+    # A disk update may carry another floating dtype (the load casts); rotary buffers are skipped.
+    fp16 = WeightSpec("model.norm.weight", expected["model.norm.weight"][0], torch.float16)
+    rotary = WeightSpec("model.layers.0.self_attn.rotary_emb.inv_freq", (16,), torch.float32)
+    assert check_against_model([fp16, rotary], expected, model.is_ignored_weight, exact_dtype=False) == [fp16]
+    with pytest.raises(ValueError, match="repeated"):
+        build_specs(["a", "a"], ["float32"] * 2, [[1], [1]])
+    with pytest.raises(ValueError, match="one entry per tensor"):
+        build_specs(["a"], ["float32"], [])
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        build_specs(["a"], ["float99"], [[1]])
+
+
+@pytest.mark.parametrize("backup", ["cpu", "device"])
+def test_rollback_restores_every_weight_bitwise(model, backup):
+    before = _snapshot(model)
+    txn = WeightTransaction(model, backup)
+    names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight", "model.norm.weight"]
+    for name in names:
+        view = model.hf_weight(name)
+        txn.load(name, torch.randn_like(view))
+    assert not _same(model, before)
+    assert txn.rollback() is True
+    assert _same(model, before)
+
+
+def test_without_backup_a_written_update_reports_what_it_lost(model):
+    before = _snapshot(model)
+    txn = WeightTransaction(model, None)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    txn.load(name, torch.zeros_like(model.hf_weight(name)))
+    assert txn.unrecoverable() == [name]
+    assert txn.rollback() is False
+    model.load_weights([(name, before["model.layers.1.self_attn.o_proj.weight"])])
+    assert _same(model, before)
+
+
+def test_commit_keeps_the_loaded_values(model):
+    name = "model.layers.0.mlp.down_proj.weight"
+    old = model.hf_weight(name).clone()
+    new = old + 1
+    txn = WeightTransaction(model, "cpu")
+    txn.load(name, new)
+    assert txn.commit() == [name]
+    assert torch.equal(model.hf_weight(name), new)
+    model.load_weights([(name, old)])
+
+
+def test_host_handles_round_trip_through_json_and_free_their_memory():
+    named = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.arange(7, dtype=torch.int64)), ("c", torch.randn(2, dtype=torch.bfloat16))]
+    sent = share_tensors(named)
+    payload = json.loads(json.dumps(sent.handles.to_json()))
+    opened = open_tensors(TensorHandles.from_json(payload))
+    for (name, want), (got_name, got) in zip(named, opened.named):
+        assert name == got_name and torch.equal(want, got)
+    opened.close()
+    block = payload["buffers"][0]["shm"]
+    assert os.path.exists(f"/dev/shm/{block}")
+    sent.close()
+    assert not os.path.exists(f"/dev/shm/{block}")
+
+
+def test_a_kept_bucket_is_sent_without_copy_and_keeps_its_block():
+    bucket = FlatBucket.pack([("x", torch.ones(4)), ("y", torch.zeros(2, 3, dtype=torch.float16))])
+    first = share_tensors(bucket).handles
+    bucket.fill([("x", torch.full((4,), 2.0)), ("y", torch.ones(2, 3))])
+    second = share_tensors(bucket).handles
+    assert first.buffers == second.buffers  # same block: nothing reopened or copied per send
+    opened = open_tensors(second)
+    assert torch.equal(dict(opened.named)["x"], torch.full((4,), 2.0))
+    assert dict(opened.named)["y"].dtype == torch.float16
+    opened.close()
+    bucket.close()
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p: p.update(format="pickle"), "format"),
+        (lambda p: p["buffers"][0].update(shm="../../etc/passwd"), "shared-memory name"),
+        (lambda p: p["tensors"][0].update(offset=1), "do not fit"),
+        (lambda p: p["tensors"][0].update(offset=10**9), "do not fit"),
+        (lambda p: p["tensors"][0].update(dtype="object"), "dtype"),
+        (lambda p: p["tensors"][0].update(shape=[-1]), "shape"),
+        (lambda p: p["tensors"][0].update(buffer=5), "does not exist"),
+        (lambda p: p["tensors"][0].update(extra=1), "must be"),
+        (lambda p: p.update(kind="cuda"), "cuda buffer"),
+    ],
+)
+def test_untrusted_handles_are_refused_field_by_field(mutate, message):
+    sent = share_tensors([("w", torch.randn(4, 4))])
+    payload = json.loads(json.dumps(sent.handles.to_json()))
+    mutate(payload)
+    with pytest.raises(ValueError, match=message):
+        TensorHandles.from_json(payload)
+    sent.close()
+
+
+def _req(ids: list[int]) -> Req:
+    treq = TokenizedRequest(rid=str(ids[:3]), input_ids=ids, params=SamplingParams(), seed=0)
+    return Req(req=treq, max_new_tokens=16)
+
+
+def _prefill(kv: KVManager, req: Req) -> None:
+    assert kv.attach(req)
+    n = len(req.ids) - req.kv_len
+    assert kv.allocate(req, n) is not None
+    req.kv_len += n
+    kv.insert_computed(req)
+
+
+def test_kv_from_older_weights_is_never_matched_again():
+    kv = KVManager(256, ReqToTokenPool(4, 64, "cpu"), disable_cache=False)
+    prompt = list(range(10, 40))
+    done, live = _req(prompt), _req(prompt + [1, 2])
+    _prefill(kv, done)
+    kv.release(done)
+    _prefill(kv, live)
+    assert live.prefix_len >= len(prompt) - 1  # reused the finished request's KV
+    kv.invalidate_cache([live])
+    assert kv.usage()["kv_stale"] > 0  # still locked by the live request
+    again = _req(prompt)
+    assert kv.attach(again) and again.kv_len == 0  # nothing of the old weights matches
+    # The live request goes on in place: what it computes is its own, never cached.
+    assert kv.allocate(live, 3) is not None
+    live.kv_len += 3
+    kv.insert_computed(live)
+    kv.release(live)
+    kv.release(again)
+    assert kv.usage()["kv_stale"] == 0 and kv.cache.total_size() == 0
+    assert kv.is_whole() and kv.allocator.available() == 256
+
+
+def test_version_labels_name_unnamed_updates_after_the_last_named_one():
+    labels = VersionLabels()
+    assert labels.publish(None) == "default+1"
+    assert labels.publish(None) == "default+2"
+    assert labels.publish("step-3") == "step-3"
+    assert labels.publish(None) == "step-3+1" == labels.current
+
+
+def test_joining_a_group_nobody_hosts_fails_within_its_timeout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="could not join"):
+        UpdateGroup.join("127.0.0.1", port, 1, 2, "nobody", "gloo", timeout_s=1.0)
+    assert time.monotonic() - start < 10
