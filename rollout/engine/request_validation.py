@@ -7,6 +7,9 @@ from typing import Any
 
 from rollout.engine.sampling_params import SamplingParams
 
+# Prompts x n of one call: bounds the work a single request body can ask for.
+MAX_SAMPLES_PER_CALL = 16384
+
 
 @dataclass
 class GenerateInput:
@@ -63,6 +66,8 @@ def build_inputs(
         for ids in ids_list:
             if not _is_id_list(ids):
                 raise TypeError("input_ids must be a list of int or a list of lists of int")
+    if not ids_list:
+        raise ValueError("the list of prompts is empty")
     for ids in ids_list:
         if not ids:
             raise ValueError("prompt is empty (no input ids)")
@@ -89,6 +94,11 @@ def build_inputs(
     if token_ids_logprob is not None and not _is_id_list(token_ids_logprob):
         raise TypeError("token_ids_logprob must be a list of int")
 
+    total = sum(p.n for p in params_list)
+    if total > MAX_SAMPLES_PER_CALL:
+        raise ValueError(
+            f"one call may ask for at most {MAX_SAMPLES_PER_CALL} samples (prompts x n), got {total}"
+        )
     out: list[GenerateInput] = []
     for ids, params, r in zip(ids_list, params_list, rids):
         if logprob_start_len is not None and logprob_start_len >= len(ids):
@@ -116,6 +126,17 @@ def build_inputs(
     if out[0].stream and len(out) > 1:
         raise ValueError("stream=True takes one prompt with n=1; stream each sample separately")
     return out, batched or len(out) > 1
+
+
+def validate_for_model(inp: GenerateInput, vocab_size: int, context_length: int) -> None:
+    """Checks what depends on the model: prompt length and every token id against the vocabulary."""
+    validate_input_ids(inp.input_ids, vocab_size, context_length)
+    bad = [t for t in inp.token_ids_logprob or () if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token_ids_logprob must hold ids in [0, {vocab_size}), got {bad[:5]}")
+    bad = [t for t in inp.params.stop_token_ids or () if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids must hold ids in [0, {vocab_size}), got {bad[:5]}")
 
 
 def validate_input_ids(ids: list[int], vocab_size: int, context_length: int) -> None:

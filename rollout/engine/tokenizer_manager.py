@@ -26,7 +26,7 @@ from rollout.engine.messages import (
     TokenizedRequest,
 )
 from rollout.engine.output_builder import Accumulated, accumulate, build_output
-from rollout.engine.request_validation import GenerateInput, validate_input_ids
+from rollout.engine.request_validation import GenerateInput, validate_for_model
 
 WATCHDOG_S = 1.0
 
@@ -81,7 +81,7 @@ class TokenizerManager:
         """Yields output dicts for one (already validated, single-sample) request: one at the end,
         or one per update when streaming. Cancelling the consumer aborts the request."""
         self._check_alive()
-        validate_input_ids(inp.input_ids, self.info["vocab_size"], self.info["context_length"])
+        validate_for_model(inp, self.info["vocab_size"], self.info["context_length"])
         rid = inp.rid or uuid.uuid4().hex
         if rid in self.states:
             raise ValueError(f"rid {rid!r} is already in use by a running request")

@@ -196,6 +196,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             return [head]  # type: ignore[list-item]
         meta = out["meta_info"]
         text = out["text"][st["text"]:]
+        reason = finish_reason(meta)
+        if not text and reason is None:
+            return []  # nothing to show yet (e.g. half a character): its logprobs go out next time
         if st["first"]:
             text, st["first"] = echo[i // body.n] + text, False
         logprobs = None
@@ -203,9 +206,6 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             logprobs = completion_logprobs(meta, text_of, st["logprobs"], st["text"])
             st["logprobs"] = len(meta.get("output_token_logprobs", []))
         st["text"] = len(out["text"])
-        reason = finish_reason(meta)
-        if not text and reason is None:
-            return []
         choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if reason is not None:
             choice["matched_stop"] = matched_stop(meta)
@@ -256,13 +256,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             events.append(sse({**chunk_head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}))
         meta = out["meta_info"]
         text = out["text"][st["text"]:]
-        st["text"] = len(out["text"])
-        logprobs = None
-        if body.logprobs:
-            logprobs = chat_logprobs(meta, text_of, st["logprobs"])
-            st["logprobs"] = len(meta.get("output_token_logprobs", []))
         reason = finish_reason(meta)
         if text or reason is not None:
+            st["text"] = len(out["text"])
+            logprobs = None
+            if body.logprobs:
+                logprobs = chat_logprobs(meta, text_of, st["logprobs"])
+                st["logprobs"] = len(meta.get("output_token_logprobs", []))
             choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
                 choice["matched_stop"] = matched_stop(meta)

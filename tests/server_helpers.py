@@ -1,0 +1,56 @@
+"""Starting `rollout serve` subprocesses on free loopback ports for the server tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from rollout.client import RolloutClient
+
+SERVER_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "8192"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_path: str, *args: str, api_key: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts a server and waits until it generates. Returns the process and its base URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "rollout.serve", "--model-path", model_path, "--port", str(port), *SERVER_ARGS, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    client = RolloutClient(url, api_key=api_key)
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited during startup:\n{proc.stderr.read()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not become ready within 120 s")
+            try:
+                client.wait_ready(timeout=2)
+                return proc, url
+            except TimeoutError:
+                continue
+    except BaseException:
+        stop_server(proc)
+        raise
+    finally:
+        client.close()
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 15) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,223 @@
+"""The HTTP API against the in-process engine: native /generate, OpenAI endpoints (through the
+official `openai` package), metrics, models, and RolloutClient's parity with RolloutEngine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from server_helpers import start_server, stop_server
+
+from rollout import RolloutEngine
+from rollout.client import RolloutClient
+
+PROMPTS = ["The quick brown fox", "Once upon a time there was", "1 2 3 4"]
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3):
+    proc, url = start_server(tiny_qwen3, "--served-model-name", "tiny")
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3):
+    with RolloutEngine(tiny_qwen3, device="cpu", dtype="float32") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with RolloutClient(server) as c:
+        yield c
+
+
+def test_native_generate_equals_engine(client, engine):
+    got = client.generate(PROMPTS, GREEDY)
+    want = engine.generate(PROMPTS, GREEDY)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert [g["text"] for g in got] == [w["text"] for w in want]
+    assert got[0]["meta_info"]["finish_reason"]["type"] == "length"
+    assert got[0]["meta_info"]["weight_version"] == want[0]["meta_info"]["weight_version"]
+
+
+def test_native_logprobs_match_engine(client, engine):
+    kw = dict(return_logprob=True, top_logprobs_num=3, logprob_start_len=0)
+    got = client.generate(PROMPTS[0], GREEDY, **kw)["meta_info"]
+    want = engine.generate(PROMPTS[0], GREEDY, **kw)["meta_info"]
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        assert len(got[key]) == len(want[key]) > 0
+        for (g, gid, _), (w, wid, _) in zip(got[key], want[key]):
+            assert gid == wid
+            assert (g is None and w is None) or abs(g - w) < 1e-5
+
+
+def test_native_stream_joins_to_the_full_text(client, server):
+    full = client.generate(PROMPTS[1], GREEDY)
+    chunks = list(client.generate(PROMPTS[1], GREEDY, stream=True))
+    assert len(chunks) > 1
+    assert chunks[-1]["text"] == full["text"]  # cumulative, as SGLang streams
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    # The raw event stream ends with [DONE].
+    with httpx.stream("POST", f"{server}/generate", json={"text": "hi", "sampling_params": GREEDY, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_async_client_equals_sync(client):
+    async def run():
+        return await asyncio.gather(*(client.async_generate(p, GREEDY) for p in PROMPTS))
+
+    got = asyncio.run(run())
+    assert [g["text"] for g in got] == [w["text"] for w in client.generate(PROMPTS, GREEDY)]
+
+    async def stream():
+        return [c async for c in await client.async_generate(PROMPTS[0], GREEDY, stream=True)]
+
+    assert asyncio.run(stream())[-1]["text"] == got[0]["text"]
+
+
+def test_openai_completions_greedy_equals_engine(oai, engine):
+    want = engine.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 10})
+    resp = oai.completions.create(model="tiny", prompt=PROMPTS, max_tokens=10, temperature=0)
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [w["text"] for w in want]
+    assert resp.usage.completion_tokens == sum(w["meta_info"]["completion_tokens"] for w in want)
+    assert resp.usage.prompt_tokens == sum(w["meta_info"]["prompt_tokens"] for w in want)
+
+
+def test_openai_completions_stream_n2_and_logprobs(oai, engine):
+    want = engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 8}, return_logprob=True)
+    stream = oai.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, n=2, logprobs=2, stream=True
+    )
+    texts, logprobs, reasons = ["", ""], [[], []], [None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            logprobs[c.index] += c.logprobs.token_logprobs
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == [want["text"]] * 2
+    expected = [lp for lp, _, _ in want["meta_info"]["output_token_logprobs"]]
+    for got in logprobs:
+        assert got == pytest.approx(expected, abs=1e-5)
+    assert reasons == ["length", "length"]
+
+
+def test_openai_chat_equals_engine_through_the_template(oai, engine):
+    messages = [{"role": "user", "content": "Say something"}]
+    ids = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = engine.generate(input_ids=engine.tokenizer.encode(ids, add_special_tokens=False),
+                           sampling_params={"temperature": 0, "max_new_tokens": 10})
+    resp = oai.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=10, temperature=0, logprobs=True, top_logprobs=3
+    )
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == want["text"]
+    assert len(choice.logprobs.content) == want["meta_info"]["completion_tokens"]
+    assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+    assert resp.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
+
+    streamed = oai.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    for chunk in streamed:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+        usage = chunk.usage or usage
+    assert text == want["text"]
+    assert usage.completion_tokens == want["meta_info"]["completion_tokens"]
+
+
+def test_openai_stop_ends_the_text(oai):
+    free = oai.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text
+    assert len(free) > 4
+    stop = free[2:5]
+    resp = oai.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop])
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].text == free[: free.index(stop)]
+
+
+def test_openai_seeded_sampling_is_reproducible(oai):
+    kw = dict(model="tiny", prompt=PROMPTS[2], max_tokens=10, temperature=1.0, seed=7, n=2)
+    a = oai.completions.create(**kw)
+    b = oai.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+
+
+def test_openai_unknown_model_is_404(oai):
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        oai.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+
+
+def test_models_endpoints(oai, server):
+    assert [m.id for m in oai.models.list().data] == ["tiny"]
+    assert oai.models.retrieve("tiny").id == "tiny"
+    assert httpx.get(f"{server}/v1/models/other").status_code == 404
+
+
+def test_health_info_and_load(server, client):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server}/health_generate").status_code == 200
+    info = client.get_model_info()
+    assert info["is_generation"] and info["served_model_name"] == "tiny"
+    load = httpx.get(f"{server}/get_load").json()
+    assert load[0]["num_reqs"] == 0
+    assert client.get_server_info()["kv_whole"] is True
+
+
+def test_metrics_count_requests_and_tokens(server, client):
+    before = httpx.get(f"{server}/metrics").text
+    client.generate("metrics please", {"max_new_tokens": 5, "ignore_eos": True, "temperature": 0})
+    after = httpx.get(f"{server}/metrics").text
+
+    def value(text: str, name: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+                   or line.startswith(name + "{"))
+
+    assert value(after, "rollout_generation_tokens_total") - value(before, "rollout_generation_tokens_total") == 5
+    assert value(after, "rollout_requests_total") > value(before, "rollout_requests_total")
+    for name in ("rollout_e2e_request_latency_seconds_bucket", "rollout_num_queue_reqs",
+                 "rollout_kv_cache_usage", "rollout_prefix_cache_hit_rate"):
+        assert name in after
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
+        ({"text": "hi", "sampling_params": {"n": 0}}, "n must"),
+        ({"text": "hi", "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"input_ids": [10**9]}, "token ids"),
+        ({"text": ""}, "empty"),
+        ({"text": "hi", "top_logprobs_num": -2}, "top_logprobs_num"),
+        ({"text": "hi", "token_ids_logprob": [10**9], "return_logprob": True}, "token_ids_logprob"),
+        ({"text": 5}, "text"),
+        ({"text": "hi", "unknown_field": 1}, "unknown_field"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_problem(server, body, fragment):
+    resp = httpx.post(f"{server}/generate", json=body)
+    assert resp.status_code == 400, resp.text
+    assert fragment in resp.json()["error"]["message"]
+
+
+def test_bad_bodies_and_the_server_keeps_serving(server, client):
+    assert httpx.post(f"{server}/generate", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    assert httpx.post(f"{server}/generate", content=b"[1, 2]").status_code == 400
+    assert httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": []}).status_code == 400
+    big = b"x" * (64 * 2**20 + 10)
+    assert httpx.post(f"{server}/generate", content=big).status_code == 413
+    assert client.generate("still alive?", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
