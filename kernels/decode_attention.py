@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from rollout_kernels.attention_merge import merge_attention_parts
 from rollout_kernels.precision import dot_precision
 

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from paged_fixtures import make_paged_batch, reference_attention  # noqa: E402
+
 from rollout_kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
 from rollout_kernels.extend_attention import extend_attention  # noqa: E402
 from rollout_kernels.kv_store import store_kv  # noqa: E402

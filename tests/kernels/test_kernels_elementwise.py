@@ -11,11 +11,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from rollout.models.layers import RMSNorm, apply_rotary  # noqa: E402
 from rollout_kernels.rmsnorm import rms_norm  # noqa: E402
 from rollout_kernels.rotary import apply_rotary_inplace  # noqa: E402
 from rollout_kernels.silu_and_mul import silu_and_mul  # noqa: E402
-
-from rollout.models.layers import RMSNorm, apply_rotary  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -15,17 +15,17 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from paged_fixtures import make_paged_batch, reference_attention  # noqa: E402
+
+from rollout import RolloutEngine  # noqa: E402
+from rollout.engine.sampler import SamplingBatch, apply_penalties_and_masks, sample  # noqa: E402
+from rollout.engine.sampling_params import SamplingParams  # noqa: E402
+from rollout.models.layers import RMSNorm, apply_rotary  # noqa: E402
 from rollout_kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
 from rollout_kernels.extend_attention import extend_attention  # noqa: E402
 from rollout_kernels.rmsnorm import rms_norm  # noqa: E402
 from rollout_kernels.rotary import apply_rotary_inplace  # noqa: E402
 from rollout_kernels.sampling import sample_tokens  # noqa: E402
 from rollout_kernels.silu_and_mul import silu_and_mul  # noqa: E402
-
-from rollout import RolloutEngine  # noqa: E402
-from rollout.engine.sampler import SamplingBatch, apply_penalties_and_masks, sample  # noqa: E402
-from rollout.engine.sampling_params import SamplingParams  # noqa: E402
-from rollout.models.layers import RMSNorm, apply_rotary  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,10 +8,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from rollout_kernels.sampling import sample_tokens  # noqa: E402
-
 from rollout.engine.sampler import SamplingBatch, apply_penalties_and_masks, sample  # noqa: E402
 from rollout.engine.sampling_params import SamplingParams  # noqa: E402
+from rollout_kernels.sampling import sample_tokens  # noqa: E402
 
 VOCAB = 1000  # not a power of two: the last block of every pass is partly masked
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 
 import torch
-from rollout_kernels.decode_attention import choose_num_splits, decode_attention
-from rollout_kernels.extend_attention import extend_attention
-from rollout_kernels.kv_store import store_kv
 
 from rollout.engine.attention.base import Attention, AttentionBackend, AttentionShape
 from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+from rollout_kernels.decode_attention import choose_num_splits, decode_attention
+from rollout_kernels.extend_attention import extend_attention
+from rollout_kernels.kv_store import store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):
