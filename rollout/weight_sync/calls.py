@@ -89,7 +89,7 @@ def update_weights_from_distributed(
     group_name: str = DEFAULT_GROUP, flush_cache: bool = True, weight_version: str | None = None,
     load_format: str | None = None,
 ) -> WeightCall:  # fmt: skip
-    specs = build_specs(list(names), list(dtypes), [list(s) for s in shapes])
+    specs = build_specs(list(names), list(dtypes), list(shapes))
     distributed_source.check_load_format(load_format)
     kwargs = dict(
         names=[s.name for s in specs], dtypes=[dtype_name(s.dtype) for s in specs],
