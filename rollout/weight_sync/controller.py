@@ -199,6 +199,7 @@ class WeightSyncController:
         try:
             for name, tensor in source():
                 txn.load(name, tensor)
+            txn.wait()
         except Exception as e:
             message = self._roll_back(txn, e)
             raise (ValueError if isinstance(e, (ValueError, TypeError)) else WeightSyncError)(message) from e

@@ -80,7 +80,7 @@ class WeightTransaction:
         transaction (False: `unrecoverable()` names what could not be restored)."""
         for name, saved in self._saved.items():
             self.model.hf_weight(name).copy_(saved, non_blocking=True)
-        self._sync()
+        self.wait()
         complete = not self.unrecoverable()
         self._saved.clear()
         self.loaded.clear()
@@ -88,15 +88,15 @@ class WeightTransaction:
 
     def commit(self) -> list[str]:
         """Keeps what was loaded; returns the names written."""
-        self._sync()
+        self.wait()
         self._saved.clear()
         names = list(self.loaded)
         self.loaded.clear()
         return names
 
-    def _sync(self) -> None:
-        # Loads and restores are queued on the device: finish them before the caller reuses
-        # (or the sender frees) any buffer they read.
+    def wait(self) -> None:
+        """Returns once every queued load and restore is done: only then may the sender reuse
+        (or free) the buffers they read."""
         param = next(self.model.parameters())
         if param.is_cuda:
             torch.cuda.current_stream(param.device).synchronize()
