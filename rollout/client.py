@@ -15,6 +15,9 @@ from typing import Any
 
 import httpx
 
+from rollout.weight_sync import calls
+from rollout.weight_sync.update_group import WeightSyncError
+
 
 class RolloutClient:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
@@ -156,6 +159,75 @@ class RolloutClient:
             time.sleep(0.25)
         raise TimeoutError(f"{self.base_url} was not ready within {timeout:.0f} s (last error: {last})")
 
+    # ---- weight sync (the engine's methods, over HTTP; admin key needed when one is set) -----
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = calls.DEFAULT_GROUP, backend: str = "nccl", timeout_s: float | None = None,
+    ) -> dict:  # fmt: skip
+        call = calls.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
+        )
+        return self._post("/init_weights_update_group", call.kwargs)
+
+    def destroy_weights_update_group(self, group_name: str = calls.DEFAULT_GROUP) -> dict:
+        return self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list, shapes: list[list[int]],
+        group_name: str = calls.DEFAULT_GROUP, flush_cache: bool = True,
+        weight_version: str | None = None, load_format: str | None = None,
+    ) -> dict:  # fmt: skip
+        """Blocks until the server has received every broadcast: broadcast from another thread."""
+        call = calls.update_weights_from_distributed(
+            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
+        )
+        return self._post("/update_weights_from_distributed", call.kwargs)
+
+    def update_weights_from_tensor(
+        self, named_tensors: Any, load_format: str | None = None, flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> dict:  # fmt: skip
+        """Colocated only: shares the tensors (CUDA IPC handles, or shared memory on the host)
+        and sends their JSON handles; the tensors must not change until this returns."""
+        call = calls.update_weights_from_tensor(named_tensors, load_format, flush_cache, weight_version)
+        try:
+            payload = {
+                "tensor_handles": call.kwargs["handles"],
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+            }
+            return self._post("/update_weights_from_tensor", payload)
+        finally:
+            call.close()
+
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, weight_version: str | None = None
+    ) -> dict:
+        payload = {"model_path": model_path, "load_format": load_format, "weight_version": weight_version}
+        return self._post("/update_weights_from_disk", payload)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    def get_weight_version(self) -> str:
+        return self._get("/get_weight_version")["weight_version"]
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        payload = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        return self._post("/update_weight_version", payload)
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self._post("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self._post("/continue_generation")
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self._post("/release_memory_occupation", {"tags": tags})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self._post("/resume_memory_occupation", {"tags": tags})
+
     # ---- plumbing -------------------------------------------------------------------------
     def _post(self, path: str, payload: dict | None = None) -> Any:
         return _result(self._http.post(path, json=payload))
@@ -192,6 +264,8 @@ def _event(line: str) -> Any:
 
 
 def _exception(status: int, message: str) -> Exception:
+    if status == 502:
+        return WeightSyncError(message)
     if status in (401, 403):
         return PermissionError(f"HTTP {status}: {message}")
     if 400 <= status < 500:

@@ -78,7 +78,15 @@ def test_disconnect_of_a_non_streamed_request_frees_its_kv(server):
     assert _wait_kv_whole(server)["kv_whole"]
 
 
-schema = schemathesis.pytest.from_fixture("fuzz_schema")
+# Left out of the fuzz: calls that wait for a trainer to join or that stop generation until a
+# matching call (pause, release); they have their own tests.
+NOT_FUZZED = [
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/pause_generation",
+    "/release_memory_occupation",
+]
+schema = schemathesis.pytest.from_fixture("fuzz_schema").exclude(path=NOT_FUZZED)
 
 
 @pytest.fixture(scope="module")

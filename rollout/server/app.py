@@ -36,6 +36,9 @@ def _describe(exc: RequestValidationError) -> str:
 def create_app(engine: Any, options: ServerOptions) -> FastAPI:
     from rollout.server.native import router as native_router
     from rollout.server.openai_api import router as openai_router
+    from rollout.server.weights_api import router as weights_router
+    from rollout.server.weights_api import weight_sync_error
+    from rollout.weight_sync.update_group import WeightSyncError
 
     app = FastAPI(title="rollout", version="0.1.0", default_response_class=JSON)
     app.state.engine = engine
@@ -45,6 +48,7 @@ def create_app(engine: Any, options: ServerOptions) -> FastAPI:
     app.state.model_name = options.served_model_name or engine.options.model.model_path
     app.include_router(native_router)
     app.include_router(openai_router)
+    app.include_router(weights_router)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSON:
@@ -62,6 +66,10 @@ def create_app(engine: Any, options: ServerOptions) -> FastAPI:
     @app.exception_handler(TypeError)
     async def _bad_value(request: Request, exc: Exception) -> JSON:
         return error(400, str(exc))
+
+    @app.exception_handler(WeightSyncError)
+    async def _sync_failed(request: Request, exc: WeightSyncError) -> JSON:
+        return weight_sync_error(str(exc))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSON:

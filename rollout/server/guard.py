@@ -21,6 +21,7 @@ ADMIN_PATHS = frozenset(
         "/update_weights_from_distributed",
         "/update_weights_from_tensor",
         "/update_weights_from_disk",
+        "/get_weights_by_name",
         "/update_weight_version",
         "/pause_generation",
         "/continue_generation",
