@@ -2,11 +2,15 @@
 
     python benchmarks/bench_offline.py --model qwen3-0.6b --workload nano
     python benchmarks/bench_offline.py --model /path/to/ckpt --workload grpo --num-seqs 8 --max-len 64
+    python benchmarks/bench_offline.py --model qwen2.5-7b --workload fixed --num-seqs 64 --max-len 256 --compare hf
 
 `nano` is the nano-vllm workload (256 sequences, input and output lengths uniform in
 100..1024, `random.seed(0)`, prompts drawn before output lengths, token ids in [0, 10000),
-temperature 0.6, ignore_eos). `grpo` is 64 prompts x n=8 samples. A NAME of a real model
-(see REAL_CONFIGS) runs its real config with random weights (speed does not depend on them).
+temperature 0.6, ignore_eos). `grpo` is 64 prompts x n=8 samples. `fixed` is num_seqs greedy
+requests of exactly max_len prompt and max_len output tokens. A NAME of a real model (see
+REAL_CONFIGS) runs its real config with random weights (speed does not depend on them).
+`--compare hf` then runs transformers `generate` on the same model and prompts in this process
+(after the engine has shut down), in left-padded batches of --hf-batch-size, and prints the ratio.
 """
 
 from __future__ import annotations
@@ -45,19 +49,38 @@ def grpo_workload(num_prompts: int, max_len: int) -> tuple[list[list[int]], list
     return prompts, params
 
 
+def fixed_workload(num_seqs: int, length: int) -> tuple[list[list[int]], list[dict]]:
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(length)] for _ in range(num_seqs)]
+    params = [{"temperature": 0, "ignore_eos": True, "max_new_tokens": length} for _ in range(num_seqs)]
+    return prompts, params
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"checkpoint dir or one of {sorted(REAL_CONFIGS)}")
-    parser.add_argument("--workload", choices=["nano", "grpo"], default="nano")
+    parser.add_argument("--workload", choices=["nano", "grpo", "fixed"], default="nano")
     parser.add_argument("--num-seqs", type=int, help="sequences (nano, default 256) or prompts (grpo, default 64)")
-    parser.add_argument("--max-len", type=int, help="max input/output length (nano: 1024; grpo output: 512)")
+    parser.add_argument(
+        "--max-len", type=int, help="max input/output length (nano: 1024; grpo output: 512; fixed: 256)"
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default=None)
     parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--max-total-tokens", type=int)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
+    parser.add_argument("--hf-batch-size", type=int, default=64)
     args = parser.parse_args()
 
-    options: dict = {"dtype": args.dtype, "device": args.device, "disable_radix_cache": args.disable_radix_cache}
+    options: dict = {
+        "dtype": args.dtype,
+        "device": args.device,
+        "disable_radix_cache": args.disable_radix_cache,
+        "attention_backend": args.attention_backend,
+        "disable_cuda_graph": args.disable_cuda_graph,
+    }
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens
     model = args.model
@@ -69,8 +92,10 @@ def main() -> None:
 
     if args.workload == "nano":
         prompts, params = nano_workload(args.num_seqs or 256, args.max_len or 1024)
-    else:
+    elif args.workload == "grpo":
         prompts, params = grpo_workload(args.num_seqs or 64, args.max_len or 512)
+    else:
+        prompts, params = fixed_workload(args.num_seqs or 64, args.max_len or 256)
     expected_tokens = sum(p["max_new_tokens"] * p.get("n", 1) for p in params)
 
     with RolloutEngine(model, **options) as engine:
@@ -81,23 +106,29 @@ def main() -> None:
         info = engine.get_server_info()
     output_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     assert output_tokens == expected_tokens, (output_tokens, expected_tokens)
-    print(
-        json.dumps(
-            {
-                "workload": args.workload,
-                "model": args.model,
-                "num_seqs": len(outs),
-                "output_tokens": output_tokens,
-                "seconds": round(seconds, 3),
-                "output_tok_per_s": round(output_tokens / seconds, 1),
-                "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
-                "device": info["device"],
-                "dtype": info["dtype"],
-                "max_total_tokens": info["max_total_tokens"],
-                "radix_cache": not args.disable_radix_cache,
-            }
-        )
-    )
+    result = {
+        "workload": args.workload,
+        "model": args.model,
+        "num_seqs": len(outs),
+        "output_tokens": output_tokens,
+        "seconds": round(seconds, 3),
+        "output_tok_per_s": round(output_tokens / seconds, 1),
+        "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
+        "device": info["device"],
+        "dtype": info["dtype"],
+        "max_total_tokens": info["max_total_tokens"],
+        "radix_cache": not args.disable_radix_cache,
+        "attention_backend": args.attention_backend,
+        "cuda_graph": not args.disable_cuda_graph,
+    }
+    if args.compare == "hf":
+        from benchmarks.hf_baseline import hf_throughput
+
+        # n samples of a prompt are n rows for transformers.
+        rows = [(p, q) for p, q in zip(prompts, params) for _ in range(q.get("n", 1))]
+        hf = hf_throughput(model, [p for p, _ in rows], [q for _, q in rows], args.hf_batch_size, args.dtype)
+        result.update(hf, speedup=round(result["output_tok_per_s"] / hf["hf_output_tok_per_s"], 2))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,41 @@
 #!/usr/bin/env bash
 # One device call: install the wheels brought along, run the GPU tests, then the benchmarks.
-# Usage (on the GPU machine, repo root): bash benchmarks/gpu_session.sh [bench args...]
+# Usage (on the GPU machine, repo root): bash benchmarks/gpu_session.sh [SPEC...]
+# Each SPEC is a benchmark name and its arguments, e.g.
+#   "latency --model qwen2.5-7b --compare hf"   -> python benchmarks/bench_latency.py ...
+#   "offline --model qwen3-0.6b --workload nano" -> python benchmarks/bench_offline.py ...
+# FlashInfer compiles its kernels on first use (minutes). The compiled kernels are saved to
+# $OUT/flashinfer-jit.tgz; carry that file as .jit/flashinfer-jit.tgz to skip compiling next time.
+# GPU_TESTS (default: the GPU test files) and TEST_TIMEOUT pick what pytest runs; GPU_TESTS=none skips it.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# The Triton kernels in kernels/ import as rollout_kernels (pyproject's package-dir).
+ln -sfn "$PWD/kernels" /tmp/site/rollout_kernels
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$FLASHINFER_WORKSPACE_BASE"
+if [ -f .jit/flashinfer-jit.tgz ]; then
+  tar -xzf .jit/flashinfer-jit.tgz -C "$FLASHINFER_WORKSPACE_BASE" && echo "restored FlashInfer JIT cache"
+fi
+date -u +%Y-%m-%dT%H:%MZ
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-timeout 240 python3 -m pytest -q tests/test_gpu_engine.py tests/test_sampler.py 2>&1 | tail -n 15
+python3 -c "import torch, transformers, flashinfer; print('torch', torch.__version__, 'transformers', transformers.__version__, 'flashinfer', flashinfer.__version__)"
+GPU_TESTS=${GPU_TESTS:-tests/test_gpu_fast_path.py tests/test_gpu_engine.py tests/test_sampler.py}
+if [ "$GPU_TESTS" != none ]; then
+  SECONDS=0
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q $GPU_TESTS 2>&1 | tail -n 25
+  echo "GPU tests took ${SECONDS}s"
+fi
+save_jit_cache() {
+  tar -czf "$OUT/flashinfer-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null && ls -la "$OUT/flashinfer-jit.tgz"
+}
+save_jit_cache
 for spec in "$@"; do
-  # each spec: "model workload num_seqs max_len [extra flags]"
   set -- $spec
-  echo "== bench_offline $spec"
-  timeout 300 python3 benchmarks/bench_offline.py --model "$1" --workload "$2" --num-seqs "$3" --max-len "$4" "${@:5}" 2>&1 | tail -n 3 | tee -a "$OUT/bench.jsonl"
+  name=$1
+  shift
+  echo "== bench_$name $*"
+  timeout "${BENCH_TIMEOUT:-300}" python3 "benchmarks/bench_$name.py" "$@" 2>&1 | grep -v "^\s*$" | tail -n 4 | tee -a "$OUT/bench.jsonl"
 done
+save_jit_cache

@@ -16,6 +16,9 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     model_path: str = _opt("", "Hugging Face checkpoint directory (config.json + safetensors)")
@@ -23,7 +26,15 @@ class ModelOptions:
     dtype: str = _opt("auto", "weight/activation dtype: auto, bfloat16, float16, float32")
     device: str | None = _opt(None, "cuda or cpu; defaults to cuda when available")
     context_length: int | None = _opt(None, "max tokens per sequence; defaults to the model's")
-    attention_backend: str = _opt("torch", "attention implementation: torch")
+    attention_backend: str = _opt(
+        "auto",
+        "attention implementation: auto (flashinfer on a GPU where it imports and the dtype is "
+        "float16/bfloat16, else triton on a GPU, else torch), flashinfer, triton, torch",
+    )
+    disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
+    cuda_graph_max_bs: int = _opt(
+        256, "largest decode batch replayed from a CUDA graph (capped by max_running_requests)"
+    )
     load_format: str = _opt("auto", "auto: weights from the checkpoint; dummy: random weights")
     random_seed: int = _opt(0, "seed for requests that give none of their own")
 
@@ -38,6 +49,13 @@ class ModelOptions:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
 
 
 @dataclass(frozen=True)

@@ -57,12 +57,35 @@ def region(tag: str, device: torch.device, enable_cpu_backup: bool = False) -> I
         yield
 
 
-def cuda_graph(graph: torch.cuda.CUDAGraph, pool: Any, stream: Any, device: torch.device) -> Any:
+@contextlib.contextmanager
+def cuda_graph(
+    graph: torch.cuda.CUDAGraph, pool: Any, stream: Any, device: torch.device
+) -> Iterator[None]:
     """The context to capture `graph` in, so its private memory joins the `cuda_graph` region."""
     saver = _memory_saver(device)
     if saver is None:
-        return torch.cuda.graph(graph, pool=pool, stream=stream)
-    return saver.cuda_graph(graph, pool=pool, stream=stream, tag="cuda_graph")
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            yield
+        return
+    # torch-memory-saver 0.0.10's own cuda_graph() asserts hook_mode "preload". In "torch" mode
+    # a capture allocates from the pool it is given, not from the region's: hand it a pool that
+    # the saver's allocator serves, while the region's tag is set. All graphs share that pool
+    # (the caller's `pool` stands for the same sharing without the saver).
+    with saver.region(tag="cuda_graph"):
+        with torch.cuda.graph(graph, pool=_releasable_graph_pool(device).id, stream=stream):
+            yield
+
+
+_graph_pools: dict[torch.device, Any] = {}
+
+
+def _releasable_graph_pool(device: torch.device) -> Any:
+    """A MemPool whose memory torch-memory-saver allocates (and so can release), per device."""
+    if device not in _graph_pools:
+        from torch_memory_saver.hooks.mode_torch import HookUtilModeTorch
+
+        _graph_pools[device] = torch.cuda.MemPool(HookUtilModeTorch().get_allocator())
+    return _graph_pools[device]
 
 
 def release(tag: str, device: torch.device) -> bool:

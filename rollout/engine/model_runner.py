@@ -13,7 +13,12 @@ import torch
 
 from rollout.config import EngineOptions
 from rollout.engine import memory_regions
-from rollout.engine.attention import create_attention_backend
+from rollout.engine.attention import (
+    AttentionShape,
+    create_attention_backend,
+    resolve_attention_backend,
+)
+from rollout.engine.cuda_graph_runner import CudaGraphRunner
 from rollout.engine.forward_batch import ForwardBatch
 from rollout.engine.kv_pool import KVPool, ReqToTokenPool
 from rollout.engine.req import ScheduleBatch
@@ -62,7 +67,6 @@ class ModelRunner:
             self.model = load_model(mopts.model_path, hf_config, self.dtype, self.device, mopts.load_format)
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
-        self.attn_backend = create_attention_backend(mopts.attention_backend)
 
         text_cfg = hf_config
         num_kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
@@ -77,6 +81,36 @@ class ModelRunner:
         # One spare row: a request leaving and one arriving may overlap within a step.
         self.req_to_token = ReqToTokenPool(
             options.scheduler.max_running_requests + 1, self.context_length + 1, self.device
+        )
+        self._init_attention(options, num_kv_heads, head_dim)
+
+    def _init_attention(self, options: EngineOptions, num_kv_heads: int, head_dim: int) -> None:
+        mopts = options.model
+        self.attention_backend = resolve_attention_backend(
+            mopts.attention_backend, self.device, self.dtype
+        )
+        shape = AttentionShape(
+            num_heads=self.hf_config.num_attention_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            scaling=head_dim**-0.5,
+            dtype=self.dtype,
+            device=self.device,
+            max_batch_size=self.req_to_token.max_reqs,
+            max_context_len=self.context_length,
+        )
+        self.attn_backend = create_attention_backend(self.attention_backend, shape)
+        self.graph_runner: CudaGraphRunner | None = None
+        graphs = not mopts.disable_cuda_graph and self.attn_backend.supports_cuda_graph
+        if self.device.type == "cuda" and graphs:
+            max_bs = min(mopts.cuda_graph_max_bs, options.scheduler.max_running_requests)
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.attn_backend, self.kv_pool, self.req_to_token.table, max_bs, self.device
+            )
+        logger.info(
+            "attention backend %s, decode CUDA graphs %s",
+            self.attention_backend,
+            self.graph_runner.sizes if self.graph_runner else "off",
         )
 
     def _kv_slots(self, options: EngineOptions, layers: int, kv_heads: int, head_dim: int) -> int:
@@ -100,7 +134,7 @@ class ModelRunner:
         """Runs one step. Before: each req's KV covers [0, kv_len) and `batch.out_cache_loc` holds
         slots for its next extend_lens[i] tokens, already written to its req->token row."""
         fb, rows, owners = self._build(batch)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
+        hidden = self._run_model(fb)
         outs = [ReqStepOutput() for _ in batch.reqs]
         for req, out in zip(batch.reqs, outs):
             if req.wants_prompt_logprobs() and req.kv_len == 0 and req.req.logprob_start_len == 0:
@@ -110,7 +144,9 @@ class ModelRunner:
                 out.input_token_ids_logprobs.append(None)
         if not rows:
             return outs
-        selected = hidden[torch.tensor(rows, device=self.device)]
+        # A decode samples every row in order: no gather (its index copy would wait for the GPU).
+        every_row = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
+        selected = hidden if every_row else hidden[self._to_device(rows)]
         logits = self.model.compute_logits(selected)  # [R, V] float32
         need_logprobs = any(r.req.return_logprob for r in batch.reqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
@@ -127,7 +163,9 @@ class ModelRunner:
                 logits.shape[-1],
                 self.device,
             )
-            tokens = dict(zip(sample_idx, sample(logits[sample_idx], sampling).tolist()))
+            every = len(sample_idx) == len(logits)
+            rows_logits = logits if every else logits[self._to_device(sample_idx)]
+            tokens = dict(zip(sample_idx, sample(rows_logits, sampling).tolist()))
         for k, (i, kind, target) in enumerate(owners):
             req, out = batch.reqs[i], outs[i]
             if kind == "sample":
@@ -172,20 +210,31 @@ class ModelRunner:
         seq_lens = [r.kv_len + e for r, e in zip(batch.reqs, batch.extend_lens)]
         fb = ForwardBatch(
             mode=batch.mode,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
             out_cache_loc=batch.out_cache_loc.to(dev, non_blocking=True),
-            req_pool_indices=torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            extend_lens=torch.tensor(batch.extend_lens, dtype=torch.int64, device=dev),
+            req_pool_indices=self._to_device([r.row for r in batch.reqs]),
+            seq_lens=self._to_device(seq_lens),
+            extend_lens=self._to_device(batch.extend_lens),
             req_to_token=self.req_to_token.table,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=list(batch.extend_lens),
         )
-        self.attn_backend.prepare(fb)
         return fb, rows, owners
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 tensor of `values` on the device. Non-blocking: a blocking copy from pageable
+        memory would first wait for everything queued on the GPU."""
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
+        """Hidden states of fb's tokens, [T, hidden]: from a CUDA graph where one fits."""
+        if self.graph_runner is not None and self.graph_runner.can_replay(fb):
+            return self.graph_runner.replay(fb)
+        self.attn_backend.prepare(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
 
     @staticmethod
     def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]] | None:

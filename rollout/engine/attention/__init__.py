@@ -1,15 +1,115 @@
+"""Attention backends by name, and the choice behind attention_backend="auto".
+
+A backend is registered with what it needs to run: a package beyond torch, a GPU, and the
+dtypes its kernels exist for. "auto" takes the first of AUTO_ORDER that can run here, else torch.
+"""
+
 from __future__ import annotations
 
-from rollout.engine.attention.base import Attention, AttentionBackend
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rollout.engine.attention.base import Attention, AttentionBackend, AttentionShape
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def create_attention_backend(name: str) -> AttentionBackend:
-    """Backends by name; only the torch backend exists on every device."""
-    if name == "torch":
-        from rollout.engine.attention.torch_backend import TorchAttentionBackend
+@dataclass(frozen=True)
+class BackendEntry:
+    create: Callable[[AttentionShape | None], AttentionBackend]
+    package: str | None = None  # imported to tell whether the backend can run
+    gpu_only: bool = False
+    dtypes: tuple[torch.dtype, ...] | None = None  # None: any dtype
 
-        return TorchAttentionBackend()
-    raise ValueError(f"attention_backend must be one of: torch, got {name!r}")
+
+def _torch(shape: AttentionShape | None) -> AttentionBackend:
+    from rollout.engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
 
 
-__all__ = ["Attention", "AttentionBackend", "create_attention_backend"]
+def _flashinfer(shape: AttentionShape | None) -> AttentionBackend:
+    from rollout.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    if shape is None:
+        raise ValueError(
+            "the flashinfer backend plans by the model's shape: pass an AttentionShape"
+        )
+    return FlashInferAttentionBackend(shape)
+
+
+def _triton(shape: AttentionShape) -> AttentionBackend:
+    from rollout.engine.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(shape)
+
+
+BACKENDS: dict[str, BackendEntry] = {
+    "torch": BackendEntry(_torch),
+    "flashinfer": BackendEntry(
+        _flashinfer, package="flashinfer", gpu_only=True, dtypes=HALF_DTYPES
+    ),
+    "triton": BackendEntry(_triton, package="triton", gpu_only=True),
+}
+AUTO_ORDER = ("flashinfer", "triton")
+
+
+@functools.cache
+def package_imports(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except Exception:  # a broken install (missing CUDA libs, ABI mismatch) counts as absent
+        return False
+    return True
+
+
+def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why backend `name` cannot run on `device` in `dtype`, or None when it can."""
+    entry = BACKENDS[name]
+    if entry.gpu_only and device.type != "cuda":
+        return f"it needs a CUDA device, got {device}"
+    if entry.dtypes is not None and dtype not in entry.dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in entry.dtypes)
+        return f"it runs {names}, got {str(dtype).removeprefix('torch.')}"
+    if entry.package is not None and not package_imports(entry.package):
+        return f"the {entry.package} package does not import"
+    return None
+
+
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend to build for option value `name`; raises ValueError, naming why, when an
+    explicitly named backend cannot run here."""
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            if candidate in BACKENDS and unavailable_reason(candidate, device, dtype) is None:
+                return candidate
+        return "torch"
+    if name not in BACKENDS:
+        raise ValueError(
+            f"attention_backend must be one of auto, {', '.join(BACKENDS)}, got {name!r}"
+        )
+    reason = unavailable_reason(name, device, dtype)
+    if reason is not None:
+        raise ValueError(f"attention_backend={name!r} cannot run here: {reason}; use auto or torch")
+    return name
+
+
+def create_attention_backend(name: str, shape: AttentionShape | None = None) -> AttentionBackend:
+    """Builds backend `name` (already resolved, not "auto") for a model of `shape`; backends
+    that size nothing by the model (torch) need no shape."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    return BACKENDS[name].create(shape)
+
+
+__all__ = [
+    "Attention",
+    "AttentionBackend",
+    "AttentionShape",
+    "create_attention_backend",
+    "resolve_attention_backend",
+]

@@ -10,6 +10,7 @@ scheduler and the models are the same for all of them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -17,9 +18,33 @@ from torch import nn
 from rollout.engine.forward_batch import ForwardBatch
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a backend may size its buffers and plans by: the same for every layer of a model."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    dtype: torch.dtype
+    device: torch.device
+    max_batch_size: int  # most requests in one forward
+    max_context_len: int  # most tokens in one request's KV
+
+
 class AttentionBackend(ABC):
+    # Backends whose decode can be captured in a CUDA graph set this and implement prepare_graph.
+    supports_cuda_graph = False
+
     def prepare(self, fb: ForwardBatch) -> None:
         """Called once per forward before any layer runs: build per-batch metadata here."""
+
+    def prepare_graph(self, padded_batch_size: int, fb: ForwardBatch | None) -> None:
+        """Instead of `prepare`, before a decode of `padded_batch_size` rows is captured into
+        (fb None: every row is padding) or replayed from a CUDA graph. The first fb.batch_size
+        rows are fb's requests; the rest are padding that attends to KV slot 0 only. Whatever
+        the captured kernels read must sit at addresses fixed per padded_batch_size."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run inside a CUDA graph")
 
     @abstractmethod
     def forward(

@@ -1,0 +1,167 @@
+"""Attention through FlashInfer's paged-KV kernels, over the KVPool layout as it is.
+
+KVPool keeps one [num_slots + 1, kv_heads, head_dim] tensor per layer for K and one for V, a
+token per slot; FlashInfer sees that as pages of one token (NHD layout, page_size 1), and a
+request's page list is its row of req_to_token. Decode uses the tensor-core decode kernels:
+they take any GQA group size (Qwen2.5-7B has 7 query heads per KV head, which the CUDA-core
+decode kernels reject) and are compiled from the same FA2 module as extend, so a machine
+JIT-compiles one module per dtype and head size instead of three.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from rollout.engine.attention.base import Attention, AttentionBackend, AttentionShape
+from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+
+# The split-KV scratch space every wrapper shares (FlashInfer recommends 128 MiB).
+WORKSPACE_BYTES = 128 << 20
+_PAGE_SIZE = 1
+_KERNELS = "fa2"
+
+
+def host_indptr(lengths: list[int]) -> torch.Tensor:
+    """[B + 1] int32 CPU offsets of B back-to-back segments of `lengths`."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def kv_indices(fb: ForwardBatch, total: int) -> torch.Tensor:
+    """[total] int32 KV slots of fb's requests, each request's seq_len slots in order, without
+    a host sync (total = sum(fb.seq_lens_cpu) is known on the host)."""
+    seq_lens = fb.seq_lens  # [B] int64
+    starts = torch.cumsum(seq_lens, 0) - seq_lens  # [B]
+    rows = torch.repeat_interleave(fb.req_pool_indices, seq_lens, output_size=total)  # [N]
+    first = torch.repeat_interleave(starts, seq_lens, output_size=total)  # [N]
+    cols = torch.arange(total, device=seq_lens.device) - first
+    return fb.req_to_token[rows, cols].to(torch.int32)
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, shape: AttentionShape) -> None:
+        try:
+            import flashinfer
+        except ImportError as e:
+            raise ImportError(
+                "attention_backend='flashinfer' needs the flashinfer-python package; "
+                "install it or use attention_backend='torch'"
+            ) from e
+        self._flashinfer = flashinfer
+        self.shape = shape
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=shape.device)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True, backend=_KERNELS
+        )
+        self.extend_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=_KERNELS
+        )
+        self._ones = torch.ones(shape.max_batch_size + 1, dtype=torch.int32)  # last page lengths
+        self._graph_wrappers: dict[int, object] = {}
+        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._decode = self.decode_wrapper  # the wrapper planned for the next decode
+
+    # ---- per-forward plans ----------------------------------------------------------------
+    def _plan_args(self) -> dict:
+        s = self.shape
+        return {
+            "num_qo_heads": s.num_heads,
+            "num_kv_heads": s.num_kv_heads,
+            "page_size": _PAGE_SIZE,
+            "sm_scale": s.scaling,
+            "q_data_type": s.dtype,
+            "kv_data_type": s.dtype,
+        }
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        indptr = host_indptr(fb.seq_lens_cpu)
+        indices = kv_indices(fb, int(indptr[-1]))
+        last_page_len = self._ones[: fb.batch_size]
+        head_dim = self.shape.head_dim
+        if fb.mode is ForwardMode.DECODE:
+            self.decode_wrapper.plan(
+                indptr, indices, last_page_len, head_dim=head_dim, **self._plan_args()
+            )
+            self._decode = self.decode_wrapper
+        else:
+            # Causal masks in FlashInfer align the queries with the last KV positions: exactly a
+            # chunk of new tokens after its cached prefix.
+            self.extend_wrapper.plan(
+                host_indptr(fb.extend_lens_cpu),
+                indptr,
+                indices,
+                last_page_len,
+                head_dim_qk=head_dim,
+                causal=True,
+                **self._plan_args(),
+            )
+
+    def prepare_graph(self, padded_batch_size: int, fb: ForwardBatch | None) -> None:
+        wrapper = self._graph_wrapper(padded_batch_size)
+        real = 0 if fb is None else fb.batch_size
+        pad = padded_batch_size - real
+        lengths = ([] if fb is None else fb.seq_lens_cpu) + [1] * pad
+        indptr = host_indptr(lengths)
+        pad_slots = torch.zeros(pad, dtype=torch.int32, device=self.shape.device)
+        indices = (
+            pad_slots if fb is None else torch.cat([kv_indices(fb, int(indptr[real])), pad_slots])
+        )
+        wrapper.plan(
+            indptr,
+            indices,
+            self._ones[:padded_batch_size],
+            head_dim=self.shape.head_dim,
+            **self._plan_args(),
+        )
+        self._decode = wrapper
+
+    def _graph_wrapper(self, batch_size: int):
+        """The decode wrapper whose plan lives at fixed addresses, one per captured batch size;
+        all share one set of buffers (only one is planned and replayed at a time)."""
+        if batch_size > self.shape.max_batch_size:
+            raise ValueError(
+                f"graph batch size {batch_size} exceeds max_batch_size {self.shape.max_batch_size}"
+            )
+        if self._graph_buffers is None:
+            dev, n = self.shape.device, self.shape.max_batch_size
+            self._graph_buffers = (
+                torch.zeros(n + 1, dtype=torch.int32, device=dev),  # indptr
+                # Every request may read a whole context (prefix slots are shared between them).
+                torch.zeros(n * self.shape.max_context_len, dtype=torch.int32, device=dev),
+                torch.ones(n, dtype=torch.int32, device=dev),  # last page lengths
+            )
+        if batch_size not in self._graph_wrappers:
+            indptr, indices, last = self._graph_buffers
+            self._graph_wrappers[batch_size] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=indptr[: batch_size + 1],
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last[:batch_size],
+                backend=_KERNELS,
+            )
+        return self._graph_wrappers[batch_size]
+
+    # ---- per-layer ---------------------------------------------------------------------------
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
+    ) -> torch.Tensor:
+        if layer.scaling != self.shape.scaling:
+            raise ValueError(
+                f"layer {layer.layer_id} scales attention by {layer.scaling}, but the plan was made "
+                f"for {self.shape.scaling}"
+            )
+        fb.kv_pool.store(layer.layer_id, fb.out_cache_loc, k, v)
+        # [num_slots + 1, page_size 1, kv_heads, head_dim]
+        cache = (
+            fb.kv_pool.k[layer.layer_id].unsqueeze(1),
+            fb.kv_pool.v[layer.layer_id].unsqueeze(1),
+        )
+        if fb.mode is ForwardMode.DECODE:
+            return self._decode.run(q, cache)
+        return self.extend_wrapper.run(q, cache)

@@ -1,0 +1,142 @@
+"""Decode forwards replayed from CUDA graphs, one graph per batch-size bucket, captured at start.
+
+A decode step of a small model is hundreds of short kernels; launched one by one from Python
+they take longer than they run. A graph launches the whole forward at once. A batch is padded
+up to the next captured size: padding rows store their K/V in slot 0 (which KVPool never hands
+out) and attend to it alone, so they never touch a real request's KV.
+
+Only the model forward is captured: logits and sampling run eagerly after it, on the real rows.
+All graphs share one memory pool, captured largest first so the smaller ones fit in its blocks.
+
+NOTE: graphs hold the addresses of the weights, the KV pool, req_to_token and the backend's
+buffers. Anything that replaces those tensors (rather than writing into them) must capture again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from torch import nn
+
+from rollout.engine import memory_regions
+from rollout.engine.attention.base import AttentionBackend
+from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+from rollout.engine.kv_pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+# Batches larger than this decode eagerly: their launch overhead is small next to their work.
+MAX_GRAPH_BATCH_SIZE = 256
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """The batch sizes to capture: 1, 2, 4, 8, then every multiple of 16, up to and including
+    max_batch_size. A batch pads to the next size, so padding stays under 16 rows."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
+    sizes += range(16, max_batch_size + 1, 16)
+    if sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sizes
+
+
+def padded_size(sizes: list[int], batch_size: int) -> int | None:
+    """The smallest of `sizes` (ascending) that holds batch_size rows; None if none does."""
+    i = bisect.bisect_left(sizes, batch_size)
+    return sizes[i] if i < len(sizes) else None
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        kv_pool: KVPool,
+        req_to_token: torch.Tensor,
+        max_batch_size: int,
+        device: torch.device,
+    ) -> None:
+        if not backend.supports_cuda_graph:
+            raise ValueError(f"{type(backend).__name__} cannot run inside a CUDA graph")
+        self.model = model
+        self.backend = backend
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.device = device
+        self.sizes = graph_batch_sizes(min(max_batch_size, MAX_GRAPH_BATCH_SIZE))
+        n = self.sizes[-1]
+        # Static inputs: every graph reads its first rows. Zeros are valid padding everywhere
+        # (token 0, position 0, KV slot 0).
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
+        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=device)
+        self.ones = torch.ones(n, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # [bs, hidden] written by each replay
+        self.capture()
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.ones[:bs],
+            extend_lens=self.ones[:bs],
+            req_to_token=self.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.backend,
+            seq_lens_cpu=[1] * bs,
+            extend_lens_cpu=[1] * bs,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):
+            fb = self._static_batch(bs)
+            self.backend.prepare_graph(bs, None)
+            # One eager run on the capture stream first: lazy initialisation (cuBLAS workspaces,
+            # kernel loading) is not allowed while capturing.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.model(fb.input_ids, fb.positions, fb)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with memory_regions.cuda_graph(graph, pool, stream, self.device):
+                out = self.model(fb.input_ids, fb.positions, fb)
+            self.graphs[bs], self.outputs[bs] = graph, out
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s",
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            time.perf_counter() - start,
+        )
+
+    def can_replay(self, fb: ForwardBatch) -> bool:
+        return fb.mode is ForwardMode.DECODE and fb.batch_size <= self.sizes[-1]
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Runs fb's decode forward from the graph of the next captured size. Returns the
+        hidden states of fb's rows, [B, hidden]; valid until the next replay."""
+        b = fb.batch_size
+        bs = padded_size(self.sizes, b)
+        assert bs is not None, f"batch of {b} exceeds the largest graph ({self.sizes[-1]})"
+        self.input_ids[:b].copy_(fb.input_ids)
+        self.positions[:b].copy_(fb.positions)
+        self.out_cache_loc[:b].copy_(fb.out_cache_loc)
+        # NOTE: rows b..bs may hold a previous batch's slots, now someone else's: pad with 0.
+        self.out_cache_loc[b:bs].zero_()
+        self.backend.prepare_graph(bs, fb)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]

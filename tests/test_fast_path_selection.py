@@ -1,0 +1,121 @@
+"""The CPU-checkable parts of the GPU fast path: which attention backend runs, which batch sizes
+get CUDA graphs and how a batch pads, the KV page list handed to FlashInfer, option checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout.config import EngineOptions, ModelOptions
+from rollout.engine import attention
+from rollout.engine.attention.flashinfer_backend import host_indptr, kv_indices
+from rollout.engine.cuda_graph_runner import graph_batch_sizes, padded_size
+from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+
+CUDA = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def packages(monkeypatch):
+    """Pretend exactly the named packages import."""
+
+    def set_importable(*names: str) -> None:
+        monkeypatch.setattr(attention, "package_imports", lambda name: name in names)
+
+    return set_importable
+
+
+def test_auto_picks_flashinfer_on_a_gpu_in_half_precision(packages):
+    packages("flashinfer", "triton")
+    assert attention.resolve_attention_backend("auto", CUDA, torch.bfloat16) == "flashinfer"
+    assert attention.resolve_attention_backend("auto", CUDA, torch.float16) == "flashinfer"
+
+
+def test_auto_falls_back_where_flashinfer_cannot_run(packages):
+    packages("flashinfer", "triton")
+    # FlashInfer has no float32 kernels; the CPU has none at all.
+    assert attention.resolve_attention_backend("auto", CUDA, torch.float32) != "flashinfer"
+    assert attention.resolve_attention_backend("auto", CPU, torch.bfloat16) == "torch"
+    packages()  # nothing beyond torch imports
+    assert attention.resolve_attention_backend("auto", CUDA, torch.bfloat16) == "torch"
+
+
+def test_auto_takes_triton_when_registered_and_flashinfer_missing(packages):
+    packages("triton")
+    expected = "triton" if "triton" in attention.BACKENDS else "torch"
+    assert attention.resolve_attention_backend("auto", CUDA, torch.bfloat16) == expected
+
+
+def test_a_named_backend_that_cannot_run_here_says_why(packages):
+    packages("flashinfer")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        attention.resolve_attention_backend("flashinfer", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="got float32"):
+        attention.resolve_attention_backend("flashinfer", CUDA, torch.float32)
+    packages()
+    with pytest.raises(ValueError, match="flashinfer package does not import"):
+        attention.resolve_attention_backend("flashinfer", CUDA, torch.bfloat16)
+    with pytest.raises(ValueError, match="must be one of auto, torch"):
+        attention.resolve_attention_backend("fast", CUDA, torch.bfloat16)
+    assert attention.resolve_attention_backend("torch", CPU, torch.float32) == "torch"
+
+
+def test_options_validate_backend_and_graph_size():
+    assert ModelOptions().attention_backend == "auto"
+    assert ModelOptions().disable_cuda_graph is False
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, flashinfer"):
+        ModelOptions(attention_backend="flash")
+    with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 1, got 0"):
+        ModelOptions(cuda_graph_max_bs=0)
+    opts = EngineOptions.from_kwargs(model_path="m", disable_cuda_graph=True, cuda_graph_max_bs=64)
+    assert opts.model.disable_cuda_graph and opts.model.cuda_graph_max_bs == 64
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    sizes = graph_batch_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 20
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
+        graph_batch_sizes(0)
+
+
+def test_every_batch_pads_to_the_smallest_graph_that_holds_it():
+    sizes = graph_batch_sizes(100)
+    for b in range(1, 101):
+        bs = padded_size(sizes, b)
+        assert bs >= b and bs - b < 16
+        assert all(s < b for s in sizes if s < bs)
+    assert padded_size(sizes, 101) is None
+
+
+def _decode_batch(table: torch.Tensor, rows: list[int], lens: list[int]) -> ForwardBatch:
+    b = len(rows)
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.zeros(b, dtype=torch.int64),
+        positions=torch.tensor([n - 1 for n in lens]),
+        out_cache_loc=torch.zeros(b, dtype=torch.int64),
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(lens),
+        extend_lens=torch.ones(b, dtype=torch.int64),
+        req_to_token=table,
+        kv_pool=None,
+        attn_backend=None,
+        seq_lens_cpu=lens,
+        extend_lens_cpu=[1] * b,
+    )
+
+
+def test_kv_page_list_is_each_requests_slots_in_order():
+    table = torch.arange(1, 5 * 10 + 1).view(5, 10)  # row r holds slots 10r+1 .. 10r+10
+    rows, lens = [3, 0, 4], [4, 1, 7]
+    fb = _decode_batch(table, rows, lens)
+    indptr = host_indptr(lens)
+    assert indptr.tolist() == [0, 4, 5, 12] and indptr.dtype == torch.int32
+    got = kv_indices(fb, int(indptr[-1]))
+    want = torch.cat([table[r, :n] for r, n in zip(rows, lens)])
+    assert got.dtype == torch.int32 and got.tolist() == want.tolist()

@@ -1,0 +1,140 @@
+"""FlashInfer attention and decode CUDA graphs on a GPU: the same tokens as the torch backend
+and as eager decoding, and graph memory that the `cuda_graph` region can give back.
+
+FlashInfer has no float32 kernels, so these run in bfloat16 on tiny checkpoints with the real
+models' head size (128). Two bf16 runs that differ only in attention kernels may part ways at a
+near tie between the two best tokens; the comparison allows that and nothing else.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rollout import RolloutEngine
+from rollout.engine import memory_regions
+from rollout.engine.attention import package_imports
+from rollout.tiny_model import make_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# Logprob tolerance, and the top-2 gap under which either token may win: between different
+# attention kernels in bf16 (FlashInfer rounds softmax weights to bf16 before multiplying by V;
+# the torch backend does that product in float32), and between a graph and an eager run of the
+# same kernels (only the split of long KV across thread blocks may differ).
+BACKEND_TOL, BACKEND_TIE = 0.1, 0.2
+GRAPH_TOL, GRAPH_TIE = 0.02, 0.04
+COMMON = {
+    "dtype": "bfloat16",
+    "device": "cuda",
+    "max_total_tokens": 8192,
+    "chunked_prefill_size": 32,
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny_128(request, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp(f"tiny-{request.param}-hd128"))
+    return make_tiny_model(path, request.param, seed=3, head_dim=128)
+
+
+def _prompts() -> tuple[list[list[int]], list[dict]]:
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 800) for _ in range(40)]
+    # Different lengths and output budgets: the decode batch shrinks from 11 through sizes
+    # that pad (11 -> 16, 7 -> 8, 3 -> 4); two prompts share a 40-token prefix (cached extend).
+    prompts = [[rng.randrange(3, 800) for _ in range(rng.randint(3, 90))] for _ in range(9)]
+    prompts += [shared + [5, 6, 7], shared + [8]]
+    params = [
+        {"temperature": 0, "ignore_eos": True, "max_new_tokens": 4 + i} for i in range(len(prompts))
+    ]
+    return prompts, params
+
+
+def _generate(path: str, **options) -> list[dict]:
+    prompts, params = _prompts()
+    with RolloutEngine(path, **COMMON, **options) as engine:
+        first = engine.generate(
+            input_ids=prompts[-2], sampling_params=params[-2]
+        )  # fills the cache
+        outs = engine.generate(
+            input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2
+        )
+    assert first["output_ids"] == outs[-2]["output_ids"]
+    return outs
+
+
+def _assert_same_greedy(
+    outs: list[dict], reference: list[dict], tol: float, near_tie: float
+) -> None:
+    """Same tokens up to where the reference had a near tie; logprobs close on the way."""
+    for out, ref in zip(outs, reference):
+        got, want = out["output_ids"], ref["output_ids"]
+        ref_top = ref["meta_info"]["output_top_logprobs"]
+        for k, (a, b) in enumerate(zip(got, want)):
+            lp_a = out["meta_info"]["output_token_logprobs"][k][0]
+            lp_b = ref["meta_info"]["output_token_logprobs"][k][0]
+            assert abs(lp_a - lp_b) <= tol, (k, lp_a, lp_b)
+            if a != b:
+                gap = ref_top[k][0][0] - ref_top[k][1][0]
+                assert gap < near_tie, f"token {k}: {a} != {b} with top-2 gap {gap:.3f}"
+                break
+        assert len(got) == len(want)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_128) -> dict[str, list[dict]]:
+    """The same requests through the torch backend, FlashInfer eager, FlashInfer with graphs."""
+    if not package_imports("flashinfer"):
+        pytest.skip("needs flashinfer")
+    return {
+        "torch": _generate(tiny_128, attention_backend="torch"),
+        "eager": _generate(tiny_128, attention_backend="flashinfer", disable_cuda_graph=True),
+        "graphs": _generate(tiny_128, attention_backend="flashinfer", cuda_graph_max_bs=16),
+    }
+
+
+def test_flashinfer_greedy_matches_torch_backend(runs):
+    _assert_same_greedy(runs["eager"], runs["torch"], BACKEND_TOL, BACKEND_TIE)
+
+
+def test_graph_replay_matches_eager(runs):
+    _assert_same_greedy(runs["graphs"], runs["eager"], GRAPH_TOL, GRAPH_TIE)
+
+
+def test_captured_graph_survives_release_and_resume():
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.arange(4, dtype=torch.float32, device=device)
+    n = 64 << 20  # a 256 MiB intermediate inside the graph
+    stream = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+
+    def body() -> torch.Tensor:
+        big = x.repeat(n // 4)  # [n]
+        return big.view(-1, 4).sum(0)
+
+    with torch.cuda.stream(stream):
+        body()  # warm-up off the capture
+    torch.cuda.synchronize()
+    with memory_regions.cuda_graph(graph, torch.cuda.graph_pool_handle(), stream, device):
+        out = body()
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = x * (n // 4)
+    assert torch.equal(out, expected)
+    if not memory_regions.is_releasable(device):
+        return
+    before = torch.cuda.mem_get_info(device)[0]
+    assert memory_regions.release("cuda_graph", device)
+    freed = torch.cuda.mem_get_info(device)[0] - before
+    assert freed >= n * 4, f"releasing the cuda_graph region freed {freed / 2**20:.0f} MiB"
+    assert memory_regions.resume("cuda_graph", device)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
