@@ -207,5 +207,7 @@ def test_sigterm_aborts_in_flight_requests_and_everything_exits(tiny_qwen3):
     for r in results:
         assert isinstance(r, dict), r
         assert r["meta_info"]["finish_reason"]["type"] == "abort"
-    with socket.socket() as s:  # the port is free again
+    with socket.socket() as s:  # the port is free again for a server (which sets SO_REUSEADDR)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
+        s.listen()
