@@ -273,6 +273,11 @@ class RolloutEngine:
         self._check_open()
         return self._call(self._tm.control("get_server_info"))
 
+    def is_alive(self) -> bool:
+        """True while the engine is open and its subprocesses serve."""
+        tm = getattr(self, "_tm", None)
+        return not self._closed and tm is not None and tm.dead is None and all(p.is_alive() for p in self._procs)
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the engine is shut down")
