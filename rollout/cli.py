@@ -10,7 +10,7 @@ import sys
 def _tiny_model(args: argparse.Namespace) -> None:
     from rollout.tiny_model import make_tiny_model
 
-    path = make_tiny_model(args.path, arch=args.arch, seed=args.seed)
+    path = make_tiny_model(args.path, arch=args.arch, seed=args.seed, num_labels=args.num_labels)
     print(path)
 
 
@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("path", help="directory to write")
     p.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="qwen3")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-labels",
+        type=int,
+        default=None,
+        help="write a sequence classifier with this many outputs (1: a reward model) instead of a causal LM",
+    )
     p.set_defaults(func=_tiny_model)
 
     p = sub.add_parser("generate", help="generate from one prompt and print the result as JSON")

@@ -37,6 +37,12 @@ class ModelOptions:
     )
     load_format: str = _opt("auto", "auto: weights from the checkpoint; dummy: random weights")
     random_seed: int = _opt(0, "seed for requests that give none of their own")
+    is_embedding: bool = _opt(
+        False,
+        "serve encode/classify instead of generation: prompts are prefilled only and answered "
+        "with the last token's final hidden state (a causal LM) or its score head's outputs "
+        "(a *ForSequenceClassification checkpoint, which needs this option)",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

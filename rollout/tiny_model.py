@@ -124,17 +124,27 @@ def make_tiny_model(
     arch: str = "qwen3",
     seed: int = 0,
     max_shard_size: str | None = None,
+    num_labels: int | None = None,
     **overrides: Any,
 ) -> str:
     """Writes a random float32 checkpoint of `arch` (llama, qwen2, qwen3) to `path`; returns
     `path`. Same seed, same bytes. `max_shard_size` (e.g. "100KB") writes shards plus
-    model.safetensors.index.json; `overrides` replace config.json fields."""
+    model.safetensors.index.json; `overrides` replace config.json fields. With `num_labels`,
+    a sequence classifier (`<Arch>ForSequenceClassification`, a reward model when 1) instead
+    of a causal LM."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
     from transformers.utils import logging as hf_logging
 
     if arch not in _ARCH:
         raise ValueError(f"arch must be one of {', '.join(_ARCH)}, got {arch!r}")
+    if num_labels is not None and num_labels < 1:
+        raise ValueError(f"num_labels must be >= 1, got {num_labels}")
     os.makedirs(path, exist_ok=True)
     write_tokenizer(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -160,13 +170,20 @@ def make_tiny_model(
         "torch_dtype": "float32",
         **overrides,
     }
+    if num_labels is not None:
+        causal = cfg["architectures"][0]
+        cfg["architectures"] = [causal.replace("ForCausalLM", "ForSequenceClassification")]
+        cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+        cfg["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    auto = AutoModelForCausalLM if num_labels is None else AutoModelForSequenceClassification
+    model = auto.from_config(config, dtype=torch.float32)
+    if num_labels is None:  # classifiers don't generate: they have no generation config
+        model.generation_config.eos_token_id = eos
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     # Quiet while saving: tests make many of these. The caller's setting comes back after.
     bars_on = hf_logging.is_progress_bar_enabled()

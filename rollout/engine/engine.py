@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from rollout.config import EngineOptions
+from rollout.engine import embedding_requests
 from rollout.engine.processes import Addresses, start_process, stop_process
 from rollout.engine.request_validation import GenerateInput, build_inputs
 from rollout.weight_sync import calls
@@ -28,6 +29,8 @@ class RolloutEngine:
         if not os.path.isdir(model_path) or not os.path.exists(os.path.join(model_path, "config.json")):
             raise FileNotFoundError(f"model_path must be a checkpoint directory with config.json, got {model_path!r}")
         self.options = EngineOptions.from_kwargs(model_path=model_path, **options)
+        embedding_requests.check_embedding_mode(model_path, self.options.model.is_embedding)
+        self.is_classifier = embedding_requests.is_classifier_checkpoint(model_path)
         from transformers import AutoTokenizer
 
         from rollout.engine.detokenizer import run_detokenizer_process
@@ -129,7 +132,68 @@ class RolloutEngine:
 
     def _inputs(self, *args: Any, **kw: Any) -> tuple[list[GenerateInput], bool]:
         self._check_open()
+        if self.options.model.is_embedding:
+            raise ValueError(
+                "this engine serves embeddings (is_embedding=True): use encode, classify or score, "
+                "or start it without is_embedding to generate"
+            )
         return build_inputs(self.tokenizer, *args, **kw)
+
+    # ---- embeddings, rewards and label scores (see embedding_requests.py) -------------------
+    def encode(self, prompt: Any = None, input_ids: Any = None, normalize: bool = False, rid: Any = None) -> Any:
+        """{"embedding": last-token final-norm hidden state (a classifier: its scores),
+        "meta_info"} per prompt; a list in, a list out. Needs is_embedding=True."""
+        return self._run(self._embed(prompt, input_ids, None, normalize, rid))
+
+    async def async_encode(
+        self, prompt: Any = None, input_ids: Any = None, normalize: bool = False, rid: Any = None
+    ) -> Any:
+        return await self._arun(self._embed(prompt, input_ids, None, normalize, rid))
+
+    def classify(self, prompt: Any = None, input_ids: Any = None, messages: Any = None, rid: Any = None) -> Any:
+        """As encode; `messages` (a chat, or a list of chats) go through the chat template.
+        With a reward model, "embedding" holds its num_labels scores."""
+        return self._run(self._embed(prompt, input_ids, messages, False, rid))
+
+    async def async_classify(
+        self, prompt: Any = None, input_ids: Any = None, messages: Any = None, rid: Any = None
+    ) -> Any:
+        return await self._arun(self._embed(prompt, input_ids, messages, False, rid))
+
+    def score(
+        self, query: Any, items: Any, label_token_ids: list[int], apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:  # fmt: skip
+        """Per item, the probabilities of label_token_ids right after query + item (a causal LM;
+        see embedding_requests.score_inputs)."""
+        return self._run(self._score(query, items, label_token_ids, apply_softmax, item_first))
+
+    async def async_score(
+        self, query: Any, items: Any, label_token_ids: list[int], apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:  # fmt: skip
+        return await self._arun(self._score(query, items, label_token_ids, apply_softmax, item_first))
+
+    def _embed(self, *args: Any) -> tuple[list[GenerateInput], embedding_requests.Finish]:
+        self._check_open()
+        if not self.options.model.is_embedding:
+            raise ValueError("encode and classify need an engine started with is_embedding=True")
+        return embedding_requests.embed_inputs(self.tokenizer, *args)
+
+    def _score(self, *args: Any) -> tuple[list[GenerateInput], embedding_requests.Finish]:
+        self._check_open()
+        if self.is_classifier:
+            raise ValueError("score needs a causal LM (label-token probabilities); this checkpoint is a classifier")
+        return embedding_requests.score_inputs(self.tokenizer, *args)
+
+    def _run(self, built: tuple[list[GenerateInput], embedding_requests.Finish]) -> Any:
+        inputs, finish = built
+        return finish(self._call(self._gather(inputs)))
+
+    async def _arun(self, built: tuple[list[GenerateInput], embedding_requests.Finish]) -> Any:
+        inputs, finish = built
+        fut = asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop)
+        return finish(await asyncio.wrap_future(fut))
 
     async def _gather(self, inputs: list[GenerateInput]) -> list[dict]:
         async def one(inp: GenerateInput) -> dict:

@@ -25,6 +25,9 @@ class TokenizedRequest:
     token_ids_logprob: list[int] | None = None
     return_hidden_states: bool = False
     stream: bool = False
+    # Prefill only, answered with the pooled last-token output instead of sampled tokens.
+    embed: bool = False
+    normalize: bool = False  # embed: scale the embedding to unit L2 norm
 
 
 @dataclass
@@ -87,6 +90,7 @@ class ReqOutput:
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     hidden_states: list[list[float]] | None = None
+    embedding: list[float] | None = None  # embed requests, on their final output
     # {"offset": k, "weight_version": v}: output tokens from k on came from version v's weights.
     weight_version_changes: list[dict[str, Any]] | None = None
     # On a request's first output only: how the detokenizer turns its ids into text.

@@ -39,6 +39,7 @@ class ReqStepOutput:
     top_logprobs: list[tuple[float, int]] | None = None
     token_ids_logprobs: list[tuple[float, int]] | None = None
     hidden_state: list[float] | None = None
+    embedding: list[float] | None = None  # embed requests: pooled output of the last token
     # Prompt positions computed this step: (logprob, id), top-k and requested-id logprobs.
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
@@ -147,6 +148,8 @@ class ModelRunner:
         # A decode samples every row in order: no gather (its index copy would wait for the GPU).
         every_row = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
         selected = hidden if every_row else hidden[self._to_device(rows)]
+        if self._pool(batch, owners, selected, outs):
+            return outs
         logits = self.model.compute_logits(selected)  # [R, V] float32
         need_logprobs = any(r.req.return_logprob for r in batch.reqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
@@ -168,6 +171,8 @@ class ModelRunner:
             tokens = dict(zip(sample_idx, sample(rows_logits, sampling).tolist()))
         for k, (i, kind, target) in enumerate(owners):
             req, out = batch.reqs[i], outs[i]
+            if kind == "pool":
+                continue
             if kind == "sample":
                 token = tokens[k]
                 out.next_token = token
@@ -184,6 +189,25 @@ class ModelRunner:
                 out.input_top_logprobs.append(self._top(logprobs[k], req.req.top_logprobs_num))
                 out.input_token_ids_logprobs.append(self._ids(logprobs[k], req.req.token_ids_logprob))
         return outs
+
+    def _pool(
+        self, batch: ScheduleBatch, owners: list[tuple[int, str, int]], selected: torch.Tensor,
+        outs: list[ReqStepOutput],
+    ) -> bool:  # fmt: skip
+        """Fills the embeddings of the rows that pool (an embed request's last token) and says
+        whether that was every row (then no logits are needed: a classifier has no LM head).
+        selected: [R, hidden] final-norm hidden states of the rows in `owners`."""
+        pool_idx = [k for k, (_, kind, _) in enumerate(owners) if kind == "pool"]
+        if pool_idx:
+            pooled = selected[self._to_device(pool_idx)]  # [P, hidden]
+            if hasattr(self.model, "compute_scores"):
+                pooled = self.model.compute_scores(pooled)  # [P, num_labels]
+            pooled = pooled.float()
+            for row, k in zip(pooled, pool_idx):
+                req = batch.reqs[owners[k][0]]
+                row = torch.nn.functional.normalize(row, dim=-1) if req.req.normalize else row
+                outs[owners[k][0]].embedding = row.tolist()
+        return len(pool_idx) == len(owners)
 
     def _build(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int], list[tuple[int, str, int]]]:
         """Tensors for the forward, plus which hidden rows need logits and why:
@@ -205,7 +229,7 @@ class ModelRunner:
                     owners.append((i, "prompt", p + 1))
             if batch.samples(i):
                 rows.append(base + ext - 1)
-                owners.append((i, "sample", start + ext))
+                owners.append((i, "pool" if req.req.embed else "sample", start + ext))
         dev = self.device
         seq_lens = [r.kv_len + e for r, e in zip(batch.reqs, batch.extend_lens)]
         fb = ForwardBatch(

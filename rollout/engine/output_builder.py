@@ -26,6 +26,7 @@ class Accumulated:
     output_ids: list[int] = field(default_factory=list)
     last: ReqOutput | None = None
     lists: dict[str, list] = field(default_factory=dict)
+    embedding: list[float] | None = None
 
 
 def _with_text(entry: Any) -> Any:
@@ -41,6 +42,8 @@ def accumulate(acc: Accumulated, out: ReqOutput) -> None:
     acc.text += out.text
     acc.output_ids.extend(out.new_ids)
     acc.last = out
+    if out.embedding is not None:
+        acc.embedding = out.embedding
     for key in (*_LOGPROB_KEYS, "hidden_states", "weight_version_changes"):
         values = getattr(out, key)
         if values:
@@ -61,6 +64,11 @@ def build_output(acc: Accumulated, latency: float) -> dict[str, Any]:
         "weight_version_changes": acc.lists.get("weight_version_changes", []),
         "e2e_latency": latency,
     }
+    if acc.inp.embed:
+        # SGLang's shape for encode/classify: no text, no completion.
+        for key in ("completion_tokens", "weight_version_changes"):
+            meta.pop(key)
+        return {"embedding": acc.embedding, "meta_info": meta}
     if acc.inp.return_logprob:
         for key in _LOGPROB_KEYS:
             meta[key] = [_with_text(e) for e in acc.lists.get(key, [])]

@@ -24,6 +24,8 @@ class GenerateInput:
     token_ids_logprob: list[int] | None = None
     return_hidden_states: bool = False
     stream: bool = False
+    embed: bool = False  # prefill only; the result is the pooled last-token output
+    normalize: bool = False
 
 
 def _as_params(value: Any) -> SamplingParams:

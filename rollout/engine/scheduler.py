@@ -50,7 +50,8 @@ class Scheduler:
     # ---- inputs ---------------------------------------------------------------------------
     def add_request(self, treq: TokenizedRequest) -> None:
         budget = self.runner.context_length - len(treq.input_ids)
-        req = Req(req=treq, max_new_tokens=min(treq.params.max_new_tokens, max(budget, 0)))
+        max_new = 0 if treq.embed else min(treq.params.max_new_tokens, max(budget, 0))
+        req = Req(req=treq, max_new_tokens=max_new)
         self.waiting.append(req)
 
     def abort(self, msg: AbortRequest) -> None:
@@ -194,6 +195,8 @@ class Scheduler:
                     self.chunked = req
                     continue
                 req.input_logprobs_done = True
+                if out.embedding is not None:
+                    req.add_pending("embedding", out.embedding)
                 if req.max_new_tokens == 0:  # prefill only: prompt logprobs, no sampling
                     self._finish(req, {"type": "length", "length": 0})
                     continue
@@ -261,6 +264,7 @@ class Scheduler:
             input_top_logprobs=p.get("input_top_logprobs"),
             input_token_ids_logprobs=p.get("input_token_ids_logprobs"),
             hidden_states=p.get("hidden_states"),
+            embedding=p["embedding"][-1] if p.get("embedding") else None,
             weight_version_changes=p.get("weight_version_changes"),
             decode_params=decode_params,
         )

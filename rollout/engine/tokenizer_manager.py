@@ -97,6 +97,8 @@ class TokenizerManager:
             token_ids_logprob=inp.token_ids_logprob,
             return_hidden_states=inp.return_hidden_states,
             stream=inp.stream,
+            embed=inp.embed,
+            normalize=inp.normalize,
         )
         state = self.states[rid] = ReqState()
         acc = Accumulated(rid, inp)

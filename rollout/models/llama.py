@@ -115,6 +115,7 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False  # Qwen2 has biases on q, k, v (and never on o)
     qk_norm = False  # Qwen3 normalises each head of q and k before rotary
+    has_lm_head = True  # sequence classifiers put a score head on the same body instead
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -126,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             None
-            if self.tie_word_embeddings
+            if self.tie_word_embeddings or not self.has_lm_head
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._hf_targets = self._map_hf_names()
