@@ -13,8 +13,7 @@ import httpx
 import openai
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
-from schemathesis.checks import not_a_server_error
+from hypothesis import HealthCheck, given, settings
 from server_helpers import start_server, stop_server
 
 from rollout.client import RolloutClient
@@ -86,18 +85,24 @@ NOT_FUZZED = [
     "/pause_generation",
     "/release_memory_occupation",
 ]
-schema = schemathesis.pytest.from_fixture("fuzz_schema").exclude(path=NOT_FUZZED)
 
+def test_fuzz_no_server_errors(server):
+    """Cases generated from the server's own OpenAPI schema, valid and invalid: never a 5xx."""
+    schema = schemathesis.openapi.from_url(f"{server}/openapi.json").exclude(path=NOT_FUZZED)
+    calls: list[tuple[str, int]] = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
 
-@pytest.fixture(scope="module")
-def fuzz_schema(server):
-    return schemathesis.openapi.from_url(f"{server}/openapi.json")
+        @given(case=operation.as_strategy())
+        @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        def check(case) -> None:
+            response = case.call(base_url=server, timeout=60)
+            calls.append((case.path, response.status_code))
+            assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text[:300]}"
 
-
-@schema.parametrize()
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-def test_fuzz_no_server_errors(case):
-    case.call_and_validate(checks=[not_a_server_error])
+        check()
+    assert len(calls) >= 200
+    assert {path for path, _ in calls} >= {"/generate", "/v1/completions", "/v1/chat/completions"}
 
 
 def test_still_healthy_after_the_fuzz(server):
