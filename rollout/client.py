@@ -121,6 +121,34 @@ class RolloutClient:
         # A fresh async client per call: an AsyncClient belongs to the event loop that used it first.
         return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout)
 
+    # ---- embeddings, rewards and label scores -----------------------------------------------
+    def encode(
+        self, prompt: Any = None, input_ids: Any = None, normalize: bool = False, rid: Any = None
+    ) -> Any:
+        payload = {"text": prompt, "input_ids": input_ids, "normalize": normalize, "rid": rid}
+        return self._post("/encode", _present(payload))
+
+    def classify(self, prompt: Any = None, input_ids: Any = None, messages: Any = None, rid: Any = None) -> Any:
+        payload = {"text": prompt, "input_ids": input_ids, "messages": messages, "rid": rid}
+        return self._post("/classify", _present(payload))
+
+    def score(
+        self, query: Any, items: Any, label_token_ids: list[int], apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:  # fmt: skip
+        payload = {
+            "query": query,
+            "items": items,
+            "label_token_ids": label_token_ids,
+            "apply_softmax": apply_softmax,
+            "item_first": item_first,
+        }
+        return self._post("/v1/score", payload)["scores"]
+
+    def rerank(self, query: str, documents: list[str], top_n: int | None = None) -> list[dict]:
+        """[{"index", "score", "document"}] by relevance, highest first (POST /v1/rerank)."""
+        return self._post("/v1/rerank", _present({"query": query, "documents": documents, "top_n": top_n}))
+
     # ---- control --------------------------------------------------------------------------
     def flush_cache(self) -> dict:
         resp = self._http.post("/flush_cache")
@@ -248,6 +276,10 @@ class RolloutClient:
 
 
 _DONE = object()
+
+
+def _present(payload: dict) -> dict:
+    return {k: v for k, v in payload.items() if v is not None}
 
 
 def _event(line: str) -> Any:

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+from hf_reference import hf_last_hidden, hf_next_logprobs, hf_scores
 
 from rollout import RolloutEngine
 from rollout.tiny_model import make_tiny_model
@@ -54,39 +55,6 @@ def embedder(tiny_qwen2):
 def generator(tiny_qwen3):
     with RolloutEngine(tiny_qwen3, **CPU) as e:
         yield e
-
-
-def hf_scores(path: str, ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForSequenceClassification
-
-    model = _hf(path, AutoModelForSequenceClassification)
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
-
-
-def hf_last_hidden(path: str, ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        out = _hf(path, AutoModelForCausalLM)(torch.tensor([ids]), output_hidden_states=True)
-    return out.hidden_states[-1][0, -1]
-
-
-def hf_next_logprobs(path: str, ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        return torch.log_softmax(_hf(path, AutoModelForCausalLM)(torch.tensor([ids])).logits[0, -1], -1)
-
-
-_MODELS: dict = {}
-
-
-def _hf(path: str, cls):
-    key = (path, cls.__name__)
-    if key not in _MODELS:
-        _MODELS[key] = cls.from_pretrained(path, dtype=torch.float32).eval()
-    return _MODELS[key]
 
 
 def test_reward_model_classify_batch_matches_transformers(rm_engine, reward_model):

@@ -34,6 +34,7 @@ def _describe(exc: RequestValidationError) -> str:
 
 
 def create_app(engine: Any, options: ServerOptions) -> FastAPI:
+    from rollout.server.embeddings_api import router as embeddings_router
     from rollout.server.native import router as native_router
     from rollout.server.openai_api import router as openai_router
     from rollout.server.weights_api import router as weights_router
@@ -49,6 +50,7 @@ def create_app(engine: Any, options: ServerOptions) -> FastAPI:
     app.include_router(native_router)
     app.include_router(openai_router)
     app.include_router(weights_router)
+    app.include_router(embeddings_router)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSON:

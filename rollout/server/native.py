@@ -112,11 +112,12 @@ async def health(request: Request) -> JSON:
 async def health_generate(request: Request) -> JSON:
     """Readiness: one token through tokenizer manager, scheduler, model and detokenizer."""
     engine = _engine(request)
+    if engine.options.model.is_embedding:  # prefill-only: one prompt through encode
+        work = engine.async_encode(input_ids=[0])
+    else:
+        work = engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
     try:
-        await asyncio.wait_for(
-            engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}),
-            HEALTH_GENERATE_TIMEOUT_S,
-        )
+        await asyncio.wait_for(work, HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:
         return error(503, f"no token within {HEALTH_GENERATE_TIMEOUT_S:.0f} s", "server_error")
     return JSON({"status": "ok"})
@@ -130,7 +131,7 @@ def get_model_info(request: Request) -> dict:
         "model_path": opts.model_path,
         "tokenizer_path": opts.tokenizer_path or opts.model_path,
         "served_model_name": request.app.state.model_name,
-        "is_generation": True,
+        "is_generation": not opts.is_embedding,
         "architecture": engine.info.get("architecture"),
         "vocab_size": engine.info.get("vocab_size"),
         "context_length": engine.info.get("context_length"),

@@ -1,0 +1,43 @@
+"""transformers forwards in float32, the reference the embedding and scoring tests compare to.
+Models load once per checkpoint and stay for the session."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+
+@cache
+def tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def hf_scores(path: str, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification
+
+    model = _hf(path, AutoModelForSequenceClassification)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def hf_last_hidden(path: str, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        out = _hf(path, AutoModelForCausalLM)(torch.tensor([ids]), output_hidden_states=True)
+    return out.hidden_states[-1][0, -1]
+
+
+def hf_next_logprobs(path: str, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return torch.log_softmax(_hf(path, AutoModelForCausalLM)(torch.tensor([ids])).logits[0, -1], -1)
+
+
+@cache
+def _hf(path: str, cls):
+    return cls.from_pretrained(path, dtype=torch.float32).eval()
