@@ -124,6 +124,21 @@ def test_async_encode_concurrent_calls(embedder):
         assert got["embedding"] == pytest.approx(ref["embedding"], abs=TOL)
 
 
+def test_encode_and_score_share_batches(embedder):
+    """An embedding engine on a causal LM also scores: both kinds in one prefill come out as
+    they do alone (pooled rows skip sampling; scored rows sample one greedy token)."""
+
+    async def both():
+        return await asyncio.gather(
+            embedder.async_encode(PROMPTS), embedder.async_score("The answer is", [" 1", " 2"], [5, 6])
+        )
+
+    encoded, scored = asyncio.run(both())
+    alone = embedder.encode(PROMPTS)
+    assert [o["embedding"] for o in encoded] == [pytest.approx(a["embedding"], abs=TOL) for a in alone]
+    assert scored == [pytest.approx(r, abs=1e-6) for r in embedder.score("The answer is", [" 1", " 2"], [5, 6])]
+
+
 def test_score_text_matches_transformers(generator, tiny_qwen3):
     labels = [10, 20, 30]
     query, items = "The answer is", [" 42", " two", " yes"]

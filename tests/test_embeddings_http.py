@@ -94,6 +94,11 @@ def test_generation_on_an_embedding_server_is_a_clear_400(rm_server, rm_client):
     with pytest.raises(ValueError, match="classifier"):
         rm_client.score("a", ["b"], [1])
     assert rm_client.get_model_info()["is_generation"] is False
+    oai = openai.OpenAI(base_url=f"{rm_server}/v1", api_key="unused")
+    with pytest.raises(openai.BadRequestError, match="is_embedding"):
+        oai.completions.create(model="rm", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="is_embedding"):
+        oai.chat.completions.create(model="rm", messages=[{"role": "user", "content": "hi"}])
 
 
 def test_encode_and_openai_embeddings(embed_server, embed_client, tiny_qwen3):
