@@ -52,6 +52,20 @@ class KVManager:
         self.req_to_token.write(req.row, req.kv_len, slots)
         return slots
 
+    def allocate_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One slot for each request's next token, written to the rows in one indexed copy (a
+        decode step must not pay one host-to-device copy per request); None if the pool can't."""
+        n = len(reqs)
+        if self.allocator.available() < n:
+            self.cache.evict(n - self.allocator.available())
+        slots = self.allocator.allocate(n)
+        if slots is None:
+            return None
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        self.req_to_token.write_many(rows, cols, slots)
+        return slots
+
     def insert_computed(self, req: Req) -> None:
         """After a prefill chunk: put the request's computed KV in the cache so requests arriving
         next (the other samples of a GRPO prompt) reuse it; the request keeps it locked."""

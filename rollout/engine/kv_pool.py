@@ -109,5 +109,14 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start : start + slots.numel()] = slots.to(self.table.device)
 
+    def write_many(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """table[rows[i], cols[i]] = slots[i]; the three are host tensors, copied without a sync."""
+        device = self.table.device
+        pinned = device.type == "cuda"
+        index = torch.stack([rows, cols]).pin_memory() if pinned else torch.stack([rows, cols])
+        values = slots.pin_memory() if pinned else slots
+        index = index.to(device, non_blocking=True)
+        self.table[index[0], index[1]] = values.to(device, non_blocking=True)
+
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         return self.table[row, start:end]

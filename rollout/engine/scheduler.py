@@ -148,8 +148,9 @@ class Scheduler:
             self._retract(self.running.pop())
         if not self.running:
             return None
-        slots = [self.kv.allocate(req, 1) for req in self.running]
-        return ScheduleBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running), torch.cat(slots))
+        slots = self.kv.allocate_decode(self.running)
+        assert slots is not None  # free_slots() >= len(running) was just ensured
+        return ScheduleBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running), slots)
 
     def _retract(self, req: Req) -> None:
         self.kv.release(req)
