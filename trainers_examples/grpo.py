@@ -1,0 +1,129 @@
+"""Colocated GRPO: the trainer and a RolloutEngine in one script.
+
+Each step:
+  1. rollouts: n samples per prompt from the engine, with the logprobs of the sampled tokens;
+  2. a rule-based reward (toy_task.py: the fraction of digit tokens) and group-normalized
+     advantages;
+  3. the engine releases its memory (KV cache, weights, CUDA graphs) for the training phase;
+  4. a PPO-clip policy update whose importance ratio is taken against the engine's logprobs;
+  5. the engine resumes its weights' memory, the new weights are pushed in through
+     update_weights_from_tensor (bucketed by WeightSender), then the KV cache comes back.
+
+With the defaults a tiny random model learns the toy task on a CPU in a couple of minutes:
+the mean reward goes from about 0.01 to above 0.8. On a GPU, for a real model:
+
+    python trainers_examples/grpo.py --model-path /path/to/Qwen3-0.6B --device cuda \
+        --dtype bfloat16 --max-new-tokens 64 --lr 1e-6 --steps 200
+
+Run with --help for every flag. Ends by printing one JSON line (steps, first_reward,
+final_reward, mean_logprob_gap, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from example_setup import (
+    add_arguments,
+    checkpoint,
+    engine_options,
+    load_policy,
+    resolve_devices,
+    sampling_params,
+)
+from rollout_batch import RolloutBatch, logprob_gap, token_logprobs
+from run_log import RunLog
+from toy_task import DigitTask
+
+DEFAULTS = {"steps": 20, "prompts_per_step": 8, "n": 8, "max_new_tokens": 8, "lr": 5e-3, "minibatches": 2}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser, DEFAULTS)
+    parser.add_argument("--bucket-mb", type=int, default=512, help="size of the weight push buckets, MiB")
+    args = parser.parse_args(argv)
+    resolve_devices(args)
+    return args
+
+
+def policy_update(
+    policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, args: argparse.Namespace
+) -> dict[str, float]:
+    """PPO-clip over the step's samples in args.minibatches optimizer steps. The ratio is
+    new / engine probability of each sampled token: 1 up to rounding on the first minibatch,
+    then it moves as the policy does, and the clip bounds how far one step can push it."""
+    losses, clipped = [], 0.0
+    for minibatch in batch.minibatches(args.minibatches, args.micro_batch, args.trainer_device):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for t in minibatch.micro_batches:
+            # Clamped before exp so that a token the engine found very unlikely cannot give inf.
+            log_ratio = (token_logprobs(policy, t) - t.old_logprobs).clamp(-20.0, 20.0)  # [B, L-1]
+            ratio = torch.exp(log_ratio)
+            adv = t.advantages[:, None]  # [B, 1]
+            surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - args.clip, 1 + args.clip) * adv)
+            loss = -(surrogate * t.mask).sum() / minibatch.num_tokens  # mean over the minibatch's tokens
+            loss.backward()
+            loss_sum += loss.item()
+            clipped += (((ratio - 1).abs() > args.clip).float() * t.mask).sum().item()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        optimizer.step()
+        losses.append(loss_sum)
+    return {"loss": sum(losses) / len(losses), "clip_frac": clipped / batch.num_tokens}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    from rollout import RolloutEngine
+    from rollout.weight_sync.sender import WeightSender
+
+    with checkpoint(args) as model_path, RolloutEngine(model_path, **engine_options(args)) as engine:
+        policy = load_policy(model_path, args.trainer_device, args.trainer_dtype)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+        sender = WeightSender(engine, method="tensor", bucket_bytes=args.bucket_mb << 20)
+        task = DigitTask(engine.tokenizer)
+        log = RunLog("grpo", vars(args), use_wandb=not args.no_wandb)
+        version = engine.get_weight_version()
+        try:
+            for step in log.steps(args.steps):
+                prompts = task.prompts(args.prompts_per_step, step)
+                start = time.perf_counter()
+                outputs = engine.generate(
+                    input_ids=prompts, sampling_params=sampling_params(args, len(prompts), step), return_logprob=True
+                )
+                rollout_s = time.perf_counter() - start
+                stale = {o["meta_info"]["weight_version"] for o in outputs} - {version}
+                if stale:
+                    raise RuntimeError(f"rollouts of step {step} came from weights {stale}, not {version!r}")
+                batch = RolloutBatch.from_outputs(prompts, outputs, args.n, task.reward)
+
+                engine.release_memory_occupation()  # the training phase has the device to itself
+                gap = logprob_gap(policy, batch, args.micro_batch, args.trainer_device)
+                stats = policy_update(policy, optimizer, batch, args)
+
+                # Weights first, so that the push has its memory; the KV cache after it.
+                engine.resume_memory_occupation(["weights"])
+                version = f"step-{step + 1}"
+                start = time.perf_counter()
+                sender.push(policy, weight_version=version)
+                sync_s = time.perf_counter() - start
+                engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
+
+                log.log(step + 1, {
+                    "reward": batch.rewards.mean().item(),
+                    "logprob_gap": gap,
+                    "weight_sync_s": sync_s,
+                    "rollout_tokens_per_s": batch.num_tokens / rollout_s,
+                    **stats,
+                })  # fmt: skip
+        finally:
+            sender.close()
+        return log.finish(weight_version=version)
+
+
+if __name__ == "__main__":
+    main()

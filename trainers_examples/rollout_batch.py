@@ -1,0 +1,128 @@
+"""One step's rollouts as the trainer sees them: samples, rewards, group advantages, tensors.
+
+The engine's outputs (SGLang's dicts, prompt-major, n per prompt) carry the sampled tokens and
+their logprobs under the weights that generated them: the behaviour policy's logprobs, which
+the importance ratio needs, so the trainer never runs a separate "old policy" forward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenBatch:
+    """Padded tensors for a few samples. Position t of the [B, L-1] tensors is the prediction
+    of token t+1 from the tokens up to t; `mask` marks the generated tokens among them."""
+
+    input_ids: torch.Tensor  # [B, L] prompt + output, right-padded
+    attention_mask: torch.Tensor  # [B, L]
+    mask: torch.Tensor  # [B, L-1] float, 1 on generated tokens
+    old_logprobs: torch.Tensor  # [B, L-1] the engine's logprobs, 0 off the mask
+    advantages: torch.Tensor  # [B]
+
+
+@dataclass
+class Minibatch:
+    """The samples of one optimizer step, as micro-batches (one forward each)."""
+
+    micro_batches: list[TokenBatch]
+    num_tokens: int  # generated tokens in the whole minibatch: the loss is a mean over them
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: list[list[int]]  # one entry per sample
+    output_ids: list[list[int]]
+    engine_logprobs: list[list[float]]
+    rewards: torch.Tensor  # [P * n]
+    n: int
+
+    @classmethod
+    def from_outputs(
+        cls, prompts: list[list[int]], outputs: list[dict], n: int, reward: Callable[[list[int]], float]
+    ) -> RolloutBatch:
+        """`outputs` as generate(input_ids=prompts, n=n, return_logprob=True) returns them."""
+        if len(outputs) != len(prompts) * n:
+            raise ValueError(f"expected {len(prompts)} prompts x {n} samples, got {len(outputs)} outputs")
+        prompt_ids = [prompts[i // n] for i in range(len(outputs))]
+        output_ids = [list(o["output_ids"]) for o in outputs]
+        # Entries are (logprob, token_id, text): tuples from the engine, lists over HTTP.
+        logprobs = [[float(e[0]) for e in o["meta_info"]["output_token_logprobs"]] for o in outputs]
+        for ids, lps in zip(output_ids, logprobs):
+            if len(ids) != len(lps):
+                raise ValueError(f"an output has {len(ids)} tokens but {len(lps)} logprobs")
+        rewards = torch.tensor([reward(ids) for ids in output_ids], dtype=torch.float32)
+        return cls(prompt_ids, output_ids, logprobs, rewards, n)
+
+    def __len__(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids in self.output_ids)
+
+    def advantages(self, eps: float = 1e-6) -> torch.Tensor:
+        """GRPO's advantage: each reward against its own prompt's group, (r - mean) / std.
+        A group whose samples all scored the same teaches nothing and gets 0."""
+        groups = self.rewards.view(-1, self.n)  # [P, n]
+        std = groups.std(dim=1, keepdim=True) if self.n > 1 else torch.ones_like(groups)
+        return ((groups - groups.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)  # [P * n]
+
+    def tensors(self, index: list[int], advantages: torch.Tensor, device: torch.device | str) -> TokenBatch:
+        """The samples at `index` padded into one TokenBatch on `device`."""
+        seqs = [self.prompt_ids[i] + self.output_ids[i] for i in index]
+        length = max(len(s) for s in seqs)
+        input_ids = torch.zeros(len(index), length, dtype=torch.long)
+        attention_mask = torch.zeros(len(index), length, dtype=torch.long)
+        mask = torch.zeros(len(index), length - 1)
+        old = torch.zeros(len(index), length - 1)
+        for row, (i, seq) in enumerate(zip(index, seqs)):
+            input_ids[row, : len(seq)] = torch.tensor(seq)
+            attention_mask[row, : len(seq)] = 1
+            start, end = len(self.prompt_ids[i]) - 1, len(seq) - 1
+            mask[row, start:end] = 1.0
+            old[row, start:end] = torch.tensor(self.engine_logprobs[i])
+        return TokenBatch(
+            input_ids.to(device), attention_mask.to(device), mask.to(device), old.to(device),
+            advantages[index].to(device),
+        )  # fmt: skip
+
+    def minibatches(self, count: int, micro_batch: int, device: torch.device | str) -> Iterator[Minibatch]:
+        """The samples shuffled (torch's generator) into `count` minibatches of micro-batches,
+        with GRPO advantages; made one at a time, so only one minibatch is on `device`."""
+        advantages = self.advantages()
+        order = torch.randperm(len(self)).tolist()
+        size = math.ceil(len(self) / count)
+        for first in range(0, len(self), size):
+            index = order[first : first + size]
+            starts = range(0, len(index), micro_batch)
+            micro = [self.tensors(index[m : m + micro_batch], advantages, device) for m in starts]
+            yield Minibatch(micro, max(sum(len(self.output_ids[i]) for i in index), 1))
+
+
+def token_logprobs(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """[B, L-1] log-probabilities the model gives each next token (float32, raw logits: no
+    temperature, as the engine reports them)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = logits[:, :-1].float()  # [B, L-1, V]
+    targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, L-1, 1]
+    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+@torch.no_grad()
+def logprob_gap(model: torch.nn.Module, batch: RolloutBatch, micro_batch: int, device: torch.device | str) -> float:
+    """Mean |engine logprob - trainer logprob| over every sampled token, with the weights the
+    engine sampled under: how far inference drifts from training (0 up to rounding in float32)."""
+    total, count = 0.0, 0
+    zeros = torch.zeros(len(batch))
+    for start in range(0, len(batch), micro_batch):
+        t = batch.tensors(list(range(start, min(start + micro_batch, len(batch)))), zeros, device)
+        diff = (token_logprobs(model, t) - t.old_logprobs).abs() * t.mask
+        total += diff.sum().item()
+        count += int(t.mask.sum().item())
+    return total / max(count, 1)
