@@ -30,8 +30,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--cprofile", action="store_true", help="also print the Python functions taking the host's time")
     args = parser.parse_args()
-    options = {"dtype": args.dtype, "max_total_tokens": args.batch * (args.prompt_len + 4 * args.steps) + 64}
+    options = {"dtype": args.dtype, "attention_backend": args.attention_backend, "max_total_tokens": args.batch * (args.prompt_len + 4 * args.steps) + 64}
     model = args.model
     if not os.path.isdir(model):
         model = write_config_checkpoint(model, tempfile.mkdtemp())
@@ -54,6 +56,17 @@ def main() -> None:
         sched.step()
     torch.cuda.synchronize()
     print(f"decode step, batch {args.batch}: {(time.perf_counter() - start) / args.steps * 1000:.2f} ms")
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            sched.step()
+        torch.cuda.synchronize()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     ) as prof:

@@ -14,14 +14,17 @@ import triton.language as tl
 @triton.jit
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro,
+    stride_x, stride_xh, stride_r, stride_o, stride_ro,
     eps,
-    DIM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    DIM: tl.constexpr, HEADS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # Row r of the output is x[r // HEADS, r % HEADS]: a [T, H, D] input (q or k heads inside
+    # the fused qkv output) is read in place, without first copying it to contiguous rows.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < DIM
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x_row = x_ptr + (row // HEADS) * stride_x + (row % HEADS) * stride_xh
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
     dtype = x.dtype
     x = x.to(tl.float32)
     if HAS_RESIDUAL:
@@ -40,29 +43,37 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x: [..., D] (last dim contiguous); weight: [D]. Without a residual returns
     norm(x) * weight; with one (same shape as x) returns (norm(x + residual) * weight,
-    x + residual), the layers.RMSNorm contract. Outputs are new tensors in x's dtype."""
+    x + residual), the layers.RMSNorm contract. Outputs are new contiguous tensors in x's
+    dtype. A 3-d x without a residual is read through its strides (heads of a qkv view)."""
     dim = x.shape[-1]
     if weight.shape != (dim,):
         raise ValueError(f"rms_norm needs weight of shape ({dim},) for x {tuple(x.shape)}, got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"rms_norm needs residual shaped like x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    # reshape copies only where the leading dims cannot be flattened as a view.
-    x2 = x.reshape(-1, dim)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    heads, stride_xh = 1, 0
+    if x.dim() == 3 and residual is None and x.stride(-1) == 1:
+        x2, heads, stride_xh = x, x.shape[1], x.stride(1)
+        rows = x.shape[0] * heads
+    else:
+        # reshape copies only where the leading dims cannot be flattened as a view.
+        x2 = x.reshape(-1, dim)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        rows = x2.shape[0]
+    out = torch.empty((rows, dim), dtype=x.dtype, device=x.device)
     res2 = res_out = out  # unused placeholders when there is no residual
     if residual is not None:
         res2 = residual.reshape(-1, dim)
         if res2.stride(-1) != 1:
             res2 = res2.contiguous()
         res_out = torch.empty_like(out)
-    if x2.shape[0]:
-        _rmsnorm_kernel[(x2.shape[0],)](
+    if rows:
+        _rmsnorm_kernel[(rows,)](
             x2, res2, weight, out, res_out,
-            x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
+            x2.stride(0), stride_xh, res2.stride(0), out.stride(0), res_out.stride(0),
             eps,
-            DIM=dim, HAS_RESIDUAL=residual is not None, BLOCK_D=triton.next_power_of_2(dim),
+            DIM=dim, HEADS=heads, HAS_RESIDUAL=residual is not None,
+            BLOCK_D=triton.next_power_of_2(dim),
         )
     if residual is None:
         return out.view(x.shape)

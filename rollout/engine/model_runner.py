@@ -23,6 +23,7 @@ from rollout.engine.forward_batch import ForwardBatch
 from rollout.engine.kv_pool import KVPool, ReqToTokenPool
 from rollout.engine.req import ScheduleBatch
 from rollout.engine.sampler import SamplingBatch, sample
+from rollout.models.layers import use_fused_kernels
 from rollout.models.loader import load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,10 @@ class ModelRunner:
             max_context_len=self.context_length,
         )
         self.attn_backend = create_attention_backend(self.attention_backend, shape)
+        # The GPU backends come with the Triton kernels for norms, rotary, SiLU-and-mul and
+        # sampling; attention_backend="torch" stays all torch: it is the reference path.
+        self.fused_kernels = self.attention_backend != "torch"
+        use_fused_kernels(self.model, self.fused_kernels)
         self.graph_runner: CudaGraphRunner | None = None
         graphs = not mopts.disable_cuda_graph and self.attn_backend.supports_cuda_graph
         if self.device.type == "cuda" and graphs:
@@ -168,7 +173,7 @@ class ModelRunner:
             )
             every = len(sample_idx) == len(logits)
             rows_logits = logits if every else logits[self._to_device(sample_idx)]
-            tokens = dict(zip(sample_idx, sample(rows_logits, sampling).tolist()))
+            tokens = dict(zip(sample_idx, sample(rows_logits, sampling, self.fused_kernels).tolist()))
         for k, (i, kind, target) in enumerate(owners):
             req, out = batch.reqs[i], outs[i]
             if kind == "pool":

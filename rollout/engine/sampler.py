@@ -138,12 +138,22 @@ def apply_penalties_and_masks(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits
 
 
-def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+def sample(logits: Tensor, batch: SamplingBatch, use_kernel: bool = False) -> Tensor:
     """logits: [B, V] float32 (penalized in place). Returns [B] int64 token ids: the argmax on
-    greedy rows, else a draw from softmax(logits / T) restricted by top-k, top-p, min-p."""
+    greedy rows, else a draw from softmax(logits / T) restricted by top-k, top-p, min-p.
+    use_kernel: filter and draw in one Triton kernel (rollout_kernels.sampling, same noise,
+    one pass per filter over each row) instead of ~20 torch ops over [B, V] int64 temporaries."""
     apply_penalties_and_masks(logits, batch)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
+    if use_kernel:
+        from rollout_kernels.sampling import sample_tokens
+
+        return sample_tokens(
+            logits, batch.temperatures, batch.greedy, batch.top_ks, batch.top_ps, batch.min_ps,
+            batch.seeds, batch.steps,
+            use_top_k=bool(batch.top_k_max), use_top_p=batch.use_top_p, use_min_p=batch.use_min_p,
+        )  # fmt: skip
     B, V = logits.shape
     step = max(1, _CHUNK_ELEMS // V)
     tokens = torch.cat(

@@ -1,7 +1,16 @@
-"""Building blocks shared by the model files: norms, rotary embedding, fused projections."""
+"""Building blocks shared by the model files: norms, rotary embedding, fused projections.
+
+Each block has a torch path (the reference, any device) and, once `use_fused_kernels` has
+switched a model over, a path through the Triton kernels of `rollout_kernels` that does the
+same arithmetic in one launch instead of one kernel per elementwise op. A decode step of a
+small model is mostly those launches: Qwen3-0.6B ran ~1,700 kernels per step unfused.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -14,7 +23,27 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
-class RMSNorm(nn.Module):
+@functools.cache
+def kernel(name: str) -> ModuleType:
+    """rollout_kernels.<name>, imported on first use (Triton is needed only on this path)."""
+    return importlib.import_module(f"rollout_kernels.{name}")
+
+
+class FusedOps:
+    """Mixin of the blocks that have a fused-kernel path; off until `use_fused_kernels`."""
+
+    fused = False
+
+
+def use_fused_kernels(model: nn.Module, enabled: bool = True) -> None:
+    """Switches every block of `model` to (or back from) the Triton kernels. Outputs agree
+    with the torch path to rounding; both paths round where HF's modules round."""
+    for module in model.modules():
+        if isinstance(module, FusedOps):
+            module.fused = enabled
+
+
+class RMSNorm(FusedOps, nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -25,6 +54,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., D]. Without a residual returns norm(x); with one, (norm(x + residual),
         x + residual): the sum is the next layer's residual, so it is made only once."""
+        if self.fused:
+            return kernel("rmsnorm").rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -103,7 +134,18 @@ class MergedLinear(nn.Linear):
         return rows
 
 
-class SiluAndMulMLP(nn.Module):
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D], k: [T, Hkv, D]; cos, sin: [T, 1, D/2]. The fused path rotates q and k in
+    place (views into the qkv output included) in one launch and returns them."""
+    if fused:
+        kernel("rotary").apply_rotary_inplace(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+class SiluAndMulMLP(FusedOps, nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.intermediate = intermediate
@@ -114,5 +156,8 @@ class SiluAndMulMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(kernel("silu_and_mul").silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

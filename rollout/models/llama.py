@@ -11,11 +11,12 @@ from torch import nn
 from rollout.engine.attention import Attention
 from rollout.engine.forward_batch import ForwardBatch
 from rollout.models.layers import (
+    FusedOps,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
     SiluAndMulMLP,
-    apply_rotary,
+    rotate_qk,
 )
 
 # Checkpoint tensors that hold nothing to load (some older Llama checkpoints carry them).
@@ -26,7 +27,7 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-class DecoderAttention(nn.Module):
+class DecoderAttention(FusedOps, nn.Module):
     def __init__(
         self, config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
     ) -> None:
@@ -55,8 +56,9 @@ class DecoderAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous(), fb)
+        q, k = rotate_qk(q, k, *rope, fused=self.fused)
+        # Without qk-norm the fused rotary leaves q a strided view of the qkv output.
+        out = self.attn(q.reshape(t, -1).contiguous(), k.reshape(t, -1), v.contiguous(), fb)
         return self.o_proj(out)
 
 

@@ -42,6 +42,23 @@ def test_rms_norm_matches_layer(device, dtype, dim):
     assert out.dtype == dtype and out.shape == x.shape
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_reads_heads_of_a_qkv_view(device, dtype):
+    """Qwen3's q/k norm: each head of a strided [T, H, D] view of the fused qkv output."""
+    gen = torch.Generator().manual_seed(3)
+    t, heads, dim = 5, 3, 16
+    layer = RMSNorm(dim, eps=1e-6)
+    layer.weight.data = torch.randn(dim, generator=gen) * 0.5 + 1
+    layer = layer.to(device, dtype)
+    qkv = (torch.randn(t, (heads + 2) * dim, generator=gen) * 2).to(device, dtype)
+    q = qkv[:, dim : (heads + 1) * dim].view(t, heads, dim)  # offset, row stride (H + 2) * D
+    with torch.no_grad():
+        want = layer(q)
+    got = rms_norm(q, layer.weight, 1e-6)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    assert got.shape == (t, heads, dim) and got.is_contiguous()
+
+
 def test_rms_norm_rejects_wrong_weight(device):
     with pytest.raises(ValueError, match=r"weight of shape \(8,\)"):
         rms_norm(torch.zeros(2, 8, device=device), torch.ones(4, device=device), 1e-6)

@@ -92,3 +92,20 @@ def test_rejects_per_row_tensors_of_the_wrong_length(device):
     b = _batch([SamplingParams()] * 3, [0] * 3, [0] * 3, device)
     with pytest.raises(ValueError, match="one value per row"):
         sample_tokens(logits, b.temperatures, b.greedy, b.top_ks, b.top_ps, b.min_ps, b.seeds, b.steps)
+
+
+def test_sampler_kernel_path_applies_penalties_and_bans_first(device):
+    # What the engine runs on a GPU: sample(..., use_kernel=True) penalizes in torch, then draws
+    # in the kernel; the tokens are the torch sampler's.
+    params = [
+        SamplingParams(temperature=0.9, repetition_penalty=1.5),
+        SamplingParams(temperature=1.0, frequency_penalty=0.7, presence_penalty=0.3, top_p=0.9),
+        SamplingParams(temperature=0.8, min_new_tokens=100, top_k=20),
+        SamplingParams(temperature=0),
+    ]
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(len(params), VOCAB, generator=gen).to(device)
+    outputs = [[5, 9, 9], [2, 5, 5, 5], [7], [1]]
+    batch = SamplingBatch.build(params, [1, 2, 3, 4], outputs, [[1, 3]] * 4, [2], VOCAB, device)
+    want = sample(logits.clone(), batch)
+    assert sample(logits.clone(), batch, use_kernel=True).tolist() == want.tolist()

@@ -18,6 +18,7 @@ from rollout.engine.attention import AttentionShape, create_attention_backend  #
 from rollout.engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from rollout.engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from rollout.engine.kv_pool import KVPool  # noqa: E402
+from rollout.models.layers import use_fused_kernels  # noqa: E402
 from rollout.models.llama import head_dim_of  # noqa: E402
 from rollout.models.loader import load_model  # noqa: E402
 
@@ -131,15 +132,21 @@ def model_setup(request, device):
     return model, cfg, prompts
 
 
-def _run(model_setup, device: str, backend_name: str, padded: int | None = None) -> _Driver:
+def _run(
+    model_setup, device: str, backend_name: str, padded: int | None = None, fused: bool = False
+) -> _Driver:
     model, cfg, prompts = model_setup
     driver = _Driver(model, cfg, create_attention_backend(backend_name, _shape(cfg, device)), prompts, device)
-    driver.prefill()
-    for _ in range(NEW_TOKENS - 1):
-        if padded is None:
-            driver.step(ForwardMode.DECODE, [1] * len(prompts))
-        else:
-            driver.decode_padded(padded)
+    use_fused_kernels(model, fused)
+    try:
+        driver.prefill()
+        for _ in range(NEW_TOKENS - 1):
+            if padded is None:
+                driver.step(ForwardMode.DECODE, [1] * len(prompts))
+            else:
+                driver.decode_padded(padded)
+    finally:
+        use_fused_kernels(model, False)
     return driver
 
 
@@ -149,6 +156,8 @@ def runs(model_setup, device) -> dict[str, _Driver]:
         "torch": _run(model_setup, device, "torch"),
         "triton": _run(model_setup, device, "triton"),
         "triton-padded": _run(model_setup, device, "triton", padded=len(PROMPT_LENS) + 3),
+        # What an engine on a GPU runs: the fused norm/rotary/SiLU kernels in every layer.
+        "triton-fused": _run(model_setup, device, "triton", fused=True),
     }
 
 
@@ -166,3 +175,11 @@ def test_graph_style_padded_decode_equals_eager(runs):
     want, got = runs["triton"], runs["triton-padded"]
     assert got.outputs == want.outputs
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_layer_kernels_equal_the_torch_layers(runs):
+    # RMSNorm (with the residual add and Qwen3's per-head q/k norm read in place), rotary on
+    # the qkv views and SiLU-and-mul, in every layer, against the torch path of the same model.
+    want, got = runs["torch"], runs["triton-fused"]
+    assert got.outputs == want.outputs
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
