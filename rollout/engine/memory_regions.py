@@ -45,7 +45,7 @@ def is_releasable(device: torch.device) -> bool:
 
 
 @contextlib.contextmanager
-def region(tag: str, device: torch.device, enable_cpu_backup: bool = False) -> Iterator[None]:
+def region(tag: str, device: torch.device) -> Iterator[None]:
     """Tensors allocated inside belong to `tag`'s region."""
     if tag not in TAGS:
         raise ValueError(f"memory region tag must be one of {', '.join(TAGS)}, got {tag!r}")
@@ -53,7 +53,7 @@ def region(tag: str, device: torch.device, enable_cpu_backup: bool = False) -> I
     if saver is None:
         yield
         return
-    with saver.region(tag=tag, enable_cpu_backup=enable_cpu_backup):
+    with saver.region(tag=tag):
         yield
 
 

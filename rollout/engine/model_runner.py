@@ -63,9 +63,9 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mopts.dtype, hf_config)
-        # Weights and KV live in tagged regions so that memory release can give them back.
-        backup = options.weight_sync.enable_weights_cpu_backup
-        with memory_regions.region("weights", self.device, enable_cpu_backup=backup):
+        # Weights and KV live in tagged regions so that memory release can give them back (the
+        # CPU copy of the weights, when asked for, is weight_sync.memory's pinned buffer).
+        with memory_regions.region("weights", self.device):
             self.model = load_model(mopts.model_path, hf_config, self.dtype, self.device, mopts.load_format)
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
