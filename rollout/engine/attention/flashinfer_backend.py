@@ -16,6 +16,7 @@ import torch
 
 from rollout.engine.attention.base import Attention, AttentionBackend, AttentionShape
 from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+from rollout_kernels.kv_store import store_kv
 
 # The split-KV scratch space every wrapper shares (FlashInfer recommends 128 MiB).
 WORKSPACE_BYTES = 128 << 20
@@ -156,12 +157,10 @@ class FlashInferAttentionBackend(AttentionBackend):
                 f"layer {layer.layer_id} scales attention by {layer.scaling}, but the plan was made "
                 f"for {self.shape.scaling}"
             )
-        fb.kv_pool.store(layer.layer_id, fb.out_cache_loc, k, v)
+        k_cache, v_cache = fb.kv_pool.k[layer.layer_id], fb.kv_pool.v[layer.layer_id]
+        store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)  # one launch for K and V
         # [num_slots + 1, page_size 1, kv_heads, head_dim]
-        cache = (
-            fb.kv_pool.k[layer.layer_id].unsqueeze(1),
-            fb.kv_pool.v[layer.layer_id].unsqueeze(1),
-        )
+        cache = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
         if fb.mode is ForwardMode.DECODE:
             return self._decode.run(q, cache)
         return self.extend_wrapper.run(q, cache)
