@@ -1,5 +1,6 @@
 """Weight sync on CUDA: IPC handoff (no bytes through the scheduler's pipe), NCCL between two
-GPUs, and memory release through torch-memory-saver. Outputs against transformers on the GPU."""
+GPUs (and its clear refusal of two ranks on one GPU), and memory release through
+torch-memory-saver. Outputs against transformers on the GPU."""
 
 from __future__ import annotations
 
@@ -89,6 +90,19 @@ def test_nccl_between_two_gpus_matches_transformers(tiny_qwen3, tiny_qwen3_pertu
             assert _greedy(engine) == expected
         finally:
             sender.close()
+
+
+def test_nccl_with_the_trainer_on_the_engines_gpu_is_a_clear_error(tiny_qwen3, tiny_qwen3_perturbed):
+    # NCCL takes one GPU per rank: a colocated trainer gets an error naming the problem and
+    # the way out (CUDA IPC), not a hang, and the engine keeps serving its weights.
+    with RolloutEngine(tiny_qwen3, dtype="float32", device="cuda:0") as engine:
+        before = _greedy(engine)
+        sender = WeightSender(engine, method="distributed")
+        with pytest.raises(ValueError, match="same GPU.*update_weights_from_tensor"):
+            sender.init_group("127.0.0.1", _free_port(), backend="nccl", timeout_s=30, device="cuda:0")
+        sender.close()
+        assert _greedy(engine) == before
+        assert engine.get_weight_version() == "default"
 
 
 def _free_bytes() -> int:

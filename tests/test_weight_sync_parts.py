@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 
 import pytest
 import torch
+from server_helpers import free_port
 from transformers import AutoConfig
 
 from rollout.engine.kv_manager import KVManager
@@ -22,7 +22,7 @@ from rollout.weight_sync.flat_bucket import FlatBucket
 from rollout.weight_sync.specs import WeightSpec, build_specs, check_against_model
 from rollout.weight_sync.tensor_handles import TensorHandles, open_tensors, share_tensors
 from rollout.weight_sync.transaction import WeightTransaction
-from rollout.weight_sync.update_group import UpdateGroup, WeightSyncError
+from rollout.weight_sync.update_group import UpdateGroup, WeightSyncError, check_distinct_gpus
 from rollout.weight_sync.versions import VersionLabels
 
 
@@ -198,10 +198,47 @@ def test_version_labels_name_unnamed_updates_after_the_last_named_one():
 
 
 def test_joining_a_group_nobody_hosts_fails_within_its_timeout():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match="could not join"):
         UpdateGroup.join("127.0.0.1", port, 1, 2, "nobody", "gloo", timeout_s=1.0)
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("uuids", [("gpu-a", "gpu-b"), ("gpu-a", "gpu-a")], ids=["distinct", "shared"])
+def test_nccl_ranks_compare_their_gpus_before_joining(uuids, monkeypatch):
+    # Each rank publishes its GPU's UUID in the group's store; two ranks on one GPU both get a
+    # clear error (NCCL itself would fail later, or hang), distinct GPUs pass.
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    port = free_port()
+    timeout = datetime.timedelta(seconds=20)
+    stores = [
+        dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False),
+        dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout),
+    ]
+    devices = {"cuda:0": uuids[0], "cuda:1": uuids[1]}
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: type("Props", (), {"uuid": devices[str(d)]})
+    )
+    errors: dict[int, str] = {}
+
+    def join(rank: int) -> None:
+        try:
+            check_distinct_gpus(stores[rank], rank, 2, torch.device(f"cuda:{rank}"))
+        except ValueError as e:
+            errors[rank] = str(e)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    if uuids[0] != uuids[1]:
+        assert errors == {}
+    else:
+        assert sorted(errors) == [0, 1]
+        assert all("same GPU" in e and "update_weights_from_tensor" in e for e in errors.values())

@@ -48,6 +48,25 @@ def check_group_args(
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
+def check_distinct_gpus(store: Any, rank: int, world_size: int, device: torch.device) -> None:
+    """Every NCCL rank must sit on its own GPU: NCCL refuses two ranks of one communicator on
+    one device (a colocated trainer and engine), and that refusal surfaces as a hang or an
+    obscure error later. The ranks compare GPU UUIDs through the store first."""
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    store.set(f"gpu/{rank}", uuid)
+    same = [r for r in range(world_size) if r != rank and store.get(f"gpu/{r}").decode() == uuid]
+    # Rank 0 hosts the store: it stays until every rank has read what it needs from it.
+    store.set(f"gpu-checked/{rank}", "1")
+    if rank == 0:
+        store.wait([f"gpu-checked/{r}" for r in range(world_size)])
+    if same:
+        raise ValueError(
+            f"ranks {min(rank, same[0])} and {max(rank, same[0])} of the weight update group are "
+            f"on the same GPU ({device}, {uuid}); NCCL needs one GPU per rank. For a trainer on "
+            f"the engine's GPU use update_weights_from_tensor (CUDA IPC handles), or gloo"
+        )
+
+
 @dataclass
 class UpdateGroup:
     name: str
@@ -87,6 +106,8 @@ class UpdateGroup:
                 wait_for_workers=False,
             )
             prefixed = dist.PrefixStore(f"rollout-weights/{group_name}", store)
+            if backend == "nccl":
+                check_distinct_gpus(prefixed, rank, world_size, buffers)
             if backend == "gloo":
                 pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
             else:
