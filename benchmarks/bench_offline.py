@@ -3,11 +3,12 @@
     python benchmarks/bench_offline.py --model qwen3-0.6b --workload nano
     python benchmarks/bench_offline.py --model /path/to/ckpt --workload grpo --num-seqs 8 --max-len 64
     python benchmarks/bench_offline.py --model qwen2.5-7b --workload fixed --num-seqs 64 --max-len 256 --compare hf
+    python benchmarks/bench_offline.py --model llama-3.1-8b --workload fixed --num-seqs 500 --input-len 4096 --output-len 2048
 
 `nano` is the nano-vllm workload (256 sequences, input and output lengths uniform in
 100..1024, `random.seed(0)`, prompts drawn before output lengths, token ids in [0, 10000),
 temperature 0.6, ignore_eos). `grpo` is 64 prompts x n=8 samples. `fixed` is num_seqs greedy
-requests of exactly max_len prompt and max_len output tokens. A NAME of a real model (see
+requests of exactly max_len prompt and max_len output tokens (or --input-len / --output-len). A NAME of a real model (see
 REAL_CONFIGS) runs its real config with random weights (speed does not depend on them).
 `--compare hf` then runs transformers `generate` on the same model and prompts in this process
 (after the engine has shut down), in left-padded batches of --hf-batch-size, and prints the ratio.
@@ -49,10 +50,10 @@ def grpo_workload(num_prompts: int, max_len: int) -> tuple[list[list[int]], list
     return prompts, params
 
 
-def fixed_workload(num_seqs: int, length: int) -> tuple[list[list[int]], list[dict]]:
+def fixed_workload(num_seqs: int, input_len: int, output_len: int) -> tuple[list[list[int]], list[dict]]:
     random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(length)] for _ in range(num_seqs)]
-    params = [{"temperature": 0, "ignore_eos": True, "max_new_tokens": length} for _ in range(num_seqs)]
+    prompts = [[random.randint(0, 10000) for _ in range(input_len)] for _ in range(num_seqs)]
+    params = [{"temperature": 0, "ignore_eos": True, "max_new_tokens": output_len} for _ in range(num_seqs)]
     return prompts, params
 
 
@@ -64,6 +65,8 @@ def main() -> None:
     parser.add_argument(
         "--max-len", type=int, help="max input/output length (nano: 1024; grpo output: 512; fixed: 256)"
     )
+    parser.add_argument("--input-len", type=int, help="fixed: prompt length (default: --max-len)")
+    parser.add_argument("--output-len", type=int, help="fixed: output length (default: --max-len)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default=None)
     parser.add_argument("--disable-radix-cache", action="store_true")
@@ -95,7 +98,8 @@ def main() -> None:
     elif args.workload == "grpo":
         prompts, params = grpo_workload(args.num_seqs or 64, args.max_len or 512)
     else:
-        prompts, params = fixed_workload(args.num_seqs or 64, args.max_len or 256)
+        length = args.max_len or 256
+        prompts, params = fixed_workload(args.num_seqs or 64, args.input_len or length, args.output_len or length)
     expected_tokens = sum(p["max_new_tokens"] * p.get("n", 1) for p in params)
 
     with RolloutEngine(model, **options) as engine:
