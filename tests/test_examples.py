@@ -1,16 +1,20 @@
 """The trainer examples run as users run them (`python trainers_examples/NAME.py ...`, each in a
 subprocess): short runs finish with finite numbers, every step logs the metrics they promise,
-the weights pushed into the engine are the trainer's (logprob gap at float32 rounding), and
-GRPO with its defaults learns the toy task."""
+the weights pushed into the engine are the trainer's (logprob gap at float32 rounding), GRPO
+and PPO with their defaults learn the toy task, and the reward server PPO starts never
+outlives it."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from server_helpers import start_server, stop_server
@@ -23,7 +27,9 @@ SUMMARY_KEYS = ("steps", "first_reward", "final_reward", "mean_logprob_gap")
 FLOAT32_GAP = 1e-4
 
 
-def run_example(name: str, *args: str, cwd: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_example(
+    name: str, *args: str, cwd: str, timeout: float = 240
+) -> subprocess.CompletedProcess:
     script = os.path.join(ROOT, "trainers_examples", name)
     # One torch thread per process. An example runs three processes (trainer, scheduler,
     # detokenizer; a server too for remote_trainer.py). With torch's one thread per core each,
@@ -32,7 +38,12 @@ def run_example(name: str, *args: str, cwd: str, timeout: float = 240) -> subpro
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # cwd: a temporary directory, so that a wandb installed here writes its offline run there.
     return subprocess.run(
-        [sys.executable, script, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, script, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -72,7 +83,9 @@ def test_remote_trainer_short_run_starts_a_server_and_updates_it_over_gloo(tmp_p
 
 
 def test_remote_trainer_against_a_running_server_with_an_admin_key(tiny_qwen3, tmp_path):
-    server, url = start_server(tiny_qwen3, "--api-key", "user", "--admin-api-key", "admin", api_key="user")
+    server, url = start_server(
+        tiny_qwen3, "--api-key", "user", "--admin-api-key", "admin", api_key="user"
+    )
     try:
         proc = run_example(
             "remote_trainer.py", "--url", url, "--api-key", "admin", "--model-path", tiny_qwen3,
@@ -102,7 +115,110 @@ def test_grpo_with_its_defaults_learns_the_toy_task(tmp_path):
     assert summary["mean_logprob_gap"] < FLOAT32_GAP
 
 
-@pytest.mark.parametrize("name", ["grpo.py", "remote_trainer.py"])
+def reward_server_processes(stderr: str) -> list[int]:
+    """The pids of the reward servers ppo.py reported starting."""
+    return [int(pid) for pid in re.findall(r"rollout serve \(pid (\d+)\) is ready", stderr)]
+
+
+def children(pid: int) -> list[int]:
+    """pid's child processes."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        stat = _stat(int(entry))
+        if stat is not None and int(stat[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def assert_gone(pids: list[int], within_s: float = 5) -> None:
+    """Each pid has exited (a server's children watch it and follow within a second)."""
+    deadline = time.monotonic() + within_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if (_stat(pid) or ["Z"])[0] != "Z"]
+        time.sleep(0.1)
+    assert not alive, f"processes {alive} outlived the example"
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, ppid, ...); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def test_ppo_short_run_learns_from_a_served_reward_model_and_stops_it(tmp_path):
+    proc = run_example(
+        "ppo.py", "--steps", "2", "--rm-steps", "10", "--no-wandb", cwd=str(tmp_path)
+    )
+    summary = summary_of(proc, steps=2)
+    assert summary["weight_version"] == "step-2" and summary["max_logprob_gap"] < FLOAT32_GAP
+    assert len(summary["rule_rewards"]) == 2 and all(0 <= r <= 1 for r in summary["rule_rewards"])
+    assert math.isfinite(summary["rm_fit_mse"]) and math.isfinite(summary["rm_fit_corr"])
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert all(" rule_reward " in line and " kl " in line for line in steps)
+    [server] = reward_server_processes(proc.stderr)
+    assert_gone([server])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_ppo_stopped_mid_training_leaves_no_reward_server_behind(sig, tmp_path):
+    """SIGTERM: the trainer unwinds as on an error (exit 143) and stops the server on its way
+    out. SIGKILL: the server learns of its parent's death and stops itself. Either way the
+    server's scheduler and detokenizer follow it."""
+    script = os.path.join(ROOT, "trainers_examples", "ppo.py")
+    args = [sys.executable, script, "--rm-steps", "0", "--steps", "100000", "--no-wandb"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    stderr = tmp_path / "stderr.txt"  # a file: a full pipe nobody reads would stall the run
+    with open(stderr, "w") as err:
+        trainer = subprocess.Popen(
+            args, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=err, text=True
+        )
+    watchdog = threading.Timer(240, trainer.terminate)  # a trainer that hangs ends the loop below
+    watchdog.start()
+    try:
+        for line in trainer.stdout:
+            if line.startswith("step "):
+                break
+        servers = [pid for pid in children(trainer.pid) if "rollout.serve" in _cmdline(pid)]
+        assert len(servers) == 1, f"ppo.py did not start one reward server: {stderr.read_text()}"
+        server_children = children(servers[0])
+        assert server_children  # the server's scheduler and detokenizer
+        trainer.send_signal(sig)
+        trainer.wait(60)
+    finally:
+        watchdog.cancel()
+        if trainer.poll() is None:
+            trainer.terminate()
+            trainer.wait(60)
+    if sig == signal.SIGTERM:
+        assert trainer.returncode == 128 + signal.SIGTERM, stderr.read_text()[-4000:]
+    assert_gone(servers + server_children, within_s=30)
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline") as f:
+        return f.read().replace("\0", " ")
+
+
+@pytest.mark.slow
+def test_ppo_with_its_defaults_learns_what_the_reward_model_was_fitted_to(tmp_path):
+    proc = run_example("ppo.py", cwd=str(tmp_path), timeout=300)
+    summary = summary_of(proc, steps=20)
+    assert (
+        summary["rm_fit_corr"] > 0.9
+    )  # the reward model learned the rule before the policy trains
+    assert summary["first_reward"] < 0.2 and summary["final_reward"] > 0.6, summary["rewards"]
+    # What the reward model taught is what the rule wanted.
+    assert summary["first_rule_reward"] < 0.2 and summary["final_rule_reward"] > 0.8, summary[
+        "rule_rewards"
+    ]
+    assert summary["reward_rule_corr"] > 0.8
+
+
+@pytest.mark.parametrize("name", ["grpo.py", "remote_trainer.py", "ppo.py"])
 def test_help_lists_the_flags_and_bad_flags_are_named(name, tmp_path):
     proc = run_example(name, "--help", cwd=str(tmp_path), timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,5 @@
-"""What the examples share before the loop: flags, the checkpoint, the trainer's model.
+"""What the examples share: flags, the checkpoint, the trainer's model, sampling parameters,
+and the colocated engine's weight push.
 
 Without --model-path a tiny random checkpoint is written to a temporary directory (removed at
 the end), so every example runs anywhere in a few minutes; with it, the same loop trains a
@@ -10,7 +11,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,10 +23,21 @@ import torch
 def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> None:
     """The flags every example takes; `defaults` are the example's own tuned values."""
     m = parser.add_argument_group("model and devices")
-    m.add_argument("--model-path", help="HF checkpoint directory; default: a tiny random model made on the fly")
-    m.add_argument("--arch", default="qwen3", choices=["llama", "qwen2", "qwen3"], help="arch of the tiny model")
-    m.add_argument("--device", help="the engine's device, cpu or cuda[:i] (default: cuda when available)")
-    m.add_argument("--dtype", default="float32", help="the engine's dtype: float32, bfloat16, float16")
+    m.add_argument(
+        "--model-path", help="HF checkpoint directory; default: a tiny random model made on the fly"
+    )
+    m.add_argument(
+        "--arch",
+        default="qwen3",
+        choices=["llama", "qwen2", "qwen3"],
+        help="arch of the tiny model",
+    )
+    m.add_argument(
+        "--device", help="the engine's device, cpu or cuda[:i] (default: cuda when available)"
+    )
+    m.add_argument(
+        "--dtype", default="float32", help="the engine's dtype: float32, bfloat16, float16"
+    )
     m.add_argument("--trainer-device", help="the trainer's device (default: the engine's)")
     m.add_argument("--trainer-dtype", default="float32", help="the trainer's parameter dtype")
     m.add_argument(
@@ -33,18 +47,38 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
 
     t = parser.add_argument_group("GRPO")
     t.add_argument("--steps", type=int, default=defaults["steps"], help="training steps")
-    t.add_argument("--prompts-per-step", type=int, default=defaults["prompts_per_step"], help="prompts per step")
-    t.add_argument("--n", type=int, default=defaults["n"], help="samples per prompt (the GRPO group)")
-    t.add_argument("--max-new-tokens", type=int, default=defaults["max_new_tokens"], help="tokens per sample")
+    t.add_argument(
+        "--prompts-per-step",
+        type=int,
+        default=defaults["prompts_per_step"],
+        help="prompts per step",
+    )
+    t.add_argument(
+        "--n", type=int, default=defaults["n"], help="samples per prompt (the GRPO group)"
+    )
+    t.add_argument(
+        "--max-new-tokens", type=int, default=defaults["max_new_tokens"], help="tokens per sample"
+    )
     t.add_argument("--lr", type=float, default=defaults["lr"], help="AdamW learning rate")
     t.add_argument("--clip", type=float, default=0.2, help="PPO clip range of the importance ratio")
-    t.add_argument("--minibatches", type=int, default=defaults["minibatches"], help="optimizer steps per training step")
-    t.add_argument("--micro-batch", type=int, default=16, help="samples per forward (gradient accumulation)")
+    t.add_argument(
+        "--minibatches",
+        type=int,
+        default=defaults["minibatches"],
+        help="optimizer steps per training step",
+    )
+    t.add_argument(
+        "--micro-batch", type=int, default=16, help="samples per forward (gradient accumulation)"
+    )
     t.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
-    t.add_argument("--seed", type=int, default=0, help="seeds the tiny model, the trainer and sampling")
+    t.add_argument(
+        "--seed", type=int, default=0, help="seeds the tiny model, the trainer and sampling"
+    )
 
     g = parser.add_argument_group("logging")
-    g.add_argument("--no-wandb", action="store_true", help="do not log to wandb even when it is installed")
+    g.add_argument(
+        "--no-wandb", action="store_true", help="do not log to wandb even when it is installed"
+    )
 
 
 def resolve_devices(args: argparse.Namespace) -> None:
@@ -55,15 +89,32 @@ def resolve_devices(args: argparse.Namespace) -> None:
     for name in ("steps", "prompts_per_step", "n", "max_new_tokens", "minibatches", "micro_batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.model_path and args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        one_thread_per_process()
+
+
+def one_thread_per_process() -> None:
+    """One torch thread here and in every process started from here on (the engine's scheduler
+    and detokenizer, a server and its own): the tiny model's ops are too small to split, and
+    with more threads than cores, split ops wait on threads the OS has descheduled. On a busy
+    2-core machine that made a run 8x slower (ppo.py: 5 minutes instead of 40 s)."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # read by each child's torch as it starts
+    torch.set_num_threads(1)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """device, dtype and seed, plus every --engine-option NAME=VALUE."""
-    options: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "random_seed": args.seed}
-    for item in args.engine_option:
+    options = {"device": args.device, "dtype": args.dtype, "random_seed": args.seed}
+    return {**options, **parse_options(args.engine_option, "--engine-option")}
+
+
+def parse_options(items: list[str], flag: str) -> dict[str, Any]:
+    """NAME=VALUE strings -> {name: value}, values parsed as JSON when they can be."""
+    options: dict[str, Any] = {}
+    for item in items:
         name, sep, raw = item.partition("=")
         if not sep or not name:
-            raise SystemExit(f"--engine-option must look like NAME=VALUE, got {item!r}")
+            raise SystemExit(f"{flag} must look like NAME=VALUE, got {item!r}")
         try:
             options[name.replace("-", "_")] = json.loads(raw)
         except json.JSONDecodeError:
@@ -99,6 +150,23 @@ def sampling_params(args: argparse.Namespace, num_prompts: int, step: int) -> li
     the logprobs of the distribution the tokens were drawn from, as the importance ratio needs."""
     base = (args.seed * 1_000_003 + step * num_prompts) * args.n
     return [
-        {"n": args.n, "temperature": 1.0, "max_new_tokens": args.max_new_tokens, "seed": base + p * args.n}
+        {
+            "n": args.n,
+            "temperature": 1.0,
+            "max_new_tokens": args.max_new_tokens,
+            "seed": base + p * args.n,
+        }
         for p in range(num_prompts)
     ]
+
+
+def push_weights(engine: Any, sender: Any, policy: torch.nn.Module, version: str) -> float:
+    """Brings back a colocated engine whose memory was released for training, with the
+    policy's weights as `version`; returns the seconds the push took. Weights first, so that
+    the push has their memory; the KV cache and CUDA graphs after it."""
+    engine.resume_memory_occupation(["weights"])
+    start = time.perf_counter()
+    sender.push(policy, weight_version=version)
+    seconds = time.perf_counter() - start
+    engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    return seconds

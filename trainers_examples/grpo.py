@@ -22,7 +22,7 @@ final_reward, mean_logprob_gap, ...).
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 
 import torch
 from example_setup import (
@@ -30,49 +30,55 @@ from example_setup import (
     checkpoint,
     engine_options,
     load_policy,
+    push_weights,
     resolve_devices,
     sampling_params,
 )
-from rollout_batch import RolloutBatch, logprob_gap, token_logprobs
+from rollout_batch import (
+    RolloutBatch,
+    TokenBatch,
+    generate_rollouts,
+    logprob_gap,
+    optimize,
+)
 from run_log import RunLog
 from toy_task import DigitTask
 
-DEFAULTS = {"steps": 20, "prompts_per_step": 8, "n": 8, "max_new_tokens": 8, "lr": 5e-3, "minibatches": 2}
+DEFAULTS = {
+    "steps": 20,
+    "prompts_per_step": 8,
+    "n": 8,
+    "max_new_tokens": 8,
+    "lr": 5e-3,
+    "minibatches": 2,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser, DEFAULTS)
-    parser.add_argument("--bucket-mb", type=int, default=512, help="size of the weight push buckets, MiB")
+    parser.add_argument(
+        "--bucket-mb", type=int, default=512, help="size of the weight push buckets, MiB"
+    )
     args = parser.parse_args(argv)
     resolve_devices(args)
     return args
 
 
-def policy_update(
-    policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, args: argparse.Namespace
-) -> dict[str, float]:
-    """PPO-clip over the step's samples in args.minibatches optimizer steps. The ratio is
-    new / engine probability of each sampled token: 1 up to rounding on the first minibatch,
-    then it moves as the policy does, and the clip bounds how far one step can push it."""
-    losses, clipped = [], 0.0
-    for minibatch in batch.minibatches(args.minibatches, args.micro_batch, args.trainer_device):
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for t in minibatch.micro_batches:
-            # Clamped before exp so that a token the engine found very unlikely cannot give inf.
-            log_ratio = (token_logprobs(policy, t) - t.old_logprobs).clamp(-20.0, 20.0)  # [B, L-1]
-            ratio = torch.exp(log_ratio)
-            adv = t.advantages[:, None]  # [B, 1]
-            surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - args.clip, 1 + args.clip) * adv)
-            loss = -(surrogate * t.mask).sum() / minibatch.num_tokens  # mean over the minibatch's tokens
-            loss.backward()
-            loss_sum += loss.item()
-            clipped += (((ratio - 1).abs() > args.clip).float() * t.mask).sum().item()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-        optimizer.step()
-        losses.append(loss_sum)
-    return {"loss": sum(losses) / len(losses), "clip_frac": clipped / batch.num_tokens}
+def ppo_clip_loss(
+    logprobs: torch.Tensor, t: TokenBatch, clip: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip, per token: -min(ratio * A, clip(ratio, 1 - clip, 1 + clip) * A), where ratio is
+    the trainer's / the engine's probability of the sampled token: 1 up to rounding on the first
+    minibatch, then it moves as the policy does, and the clip bounds how far one step can push
+    it. logprobs: [B, L-1], the trainer's (token_logprobs). Also gives clip_frac per token."""
+    # Clamped before exp so that a token the engine found very unlikely cannot give inf.
+    ratio = torch.exp((logprobs - t.old_logprobs).clamp(-20.0, 20.0))  # [B, L-1]
+    adv = t.advantages[:, None]  # [B, 1]
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    return -surrogate, {"clip_frac": ((ratio - 1).abs() > clip).float()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -81,37 +87,29 @@ def main(argv: list[str] | None = None) -> dict:
     from rollout import RolloutEngine
     from rollout.weight_sync.sender import WeightSender
 
-    with checkpoint(args) as model_path, RolloutEngine(model_path, **engine_options(args)) as engine:
+    with (
+        checkpoint(args) as model_path,
+        RolloutEngine(model_path, **engine_options(args)) as engine,
+    ):
         policy = load_policy(model_path, args.trainer_device, args.trainer_dtype)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
         sender = WeightSender(engine, method="tensor", bucket_bytes=args.bucket_mb << 20)
         task = DigitTask(engine.tokenizer)
         log = RunLog("grpo", vars(args), use_wandb=not args.no_wandb)
+        token_loss = functools.partial(ppo_clip_loss, clip=args.clip)
         version = engine.get_weight_version()
         try:
             for step in log.steps(args.steps):
                 prompts = task.prompts(args.prompts_per_step, step)
-                start = time.perf_counter()
-                outputs = engine.generate(
-                    input_ids=prompts, sampling_params=sampling_params(args, len(prompts), step), return_logprob=True
-                )
-                rollout_s = time.perf_counter() - start
-                stale = {o["meta_info"]["weight_version"] for o in outputs} - {version}
-                if stale:
-                    raise RuntimeError(f"rollouts of step {step} came from weights {stale}, not {version!r}")
+                params = sampling_params(args, len(prompts), step)
+                outputs, rollout_s = generate_rollouts(engine, prompts, params, version)
                 batch = RolloutBatch.from_outputs(prompts, outputs, args.n, task.reward)
 
                 engine.release_memory_occupation()  # the training phase has the device to itself
                 gap = logprob_gap(policy, batch, args.micro_batch, args.trainer_device)
-                stats = policy_update(policy, optimizer, batch, args)
-
-                # Weights first, so that the push has its memory; the KV cache after it.
-                engine.resume_memory_occupation(["weights"])
+                stats = optimize(policy, optimizer, batch, token_loss, args)
                 version = f"step-{step + 1}"
-                start = time.perf_counter()
-                sender.push(policy, weight_version=version)
-                sync_s = time.perf_counter() - start
-                engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
+                sync_s = push_weights(engine, sender, policy, version)
 
                 log.log(step + 1, {
                     "reward": batch.rewards.mean().item(),

@@ -5,7 +5,7 @@ weight update group with it (the trainer is rank 0; gloo on CPU, NCCL between GP
 step:
   1. rollouts over HTTP, n samples per prompt with their logprobs;
   2. the toy_task.py reward and group-normalized advantages;
-  3. a PPO-clip update with the importance ratio against the server's logprobs;
+  3. grpo.py's PPO-clip update, the importance ratio against the server's logprobs;
   4. pause_generation -> update_weights_from_distributed (broadcast from here) ->
      continue_generation: the update applies as one transaction when generation continues.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import time
 from typing import Any
 
@@ -35,37 +36,65 @@ from example_setup import (
     resolve_devices,
     sampling_params,
 )
-from rollout_batch import RolloutBatch, logprob_gap, token_logprobs
+from grpo import ppo_clip_loss
+from rollout_batch import RolloutBatch, generate_rollouts, logprob_gap, optimize
 from run_log import RunLog
 from server_process import free_port, serve
 from toy_task import DigitTask
 
-DEFAULTS = {"steps": 20, "prompts_per_step": 8, "n": 8, "max_new_tokens": 8, "lr": 5e-3, "minibatches": 2}
+DEFAULTS = {
+    "steps": 20,
+    "prompts_per_step": 8,
+    "n": 8,
+    "max_new_tokens": 8,
+    "lr": 5e-3,
+    "minibatches": 2,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser, DEFAULTS)
     r = parser.add_argument_group("remote engine")
-    r.add_argument("--url", help="a running rollout server; default: start one with the --device/--dtype flags")
-    r.add_argument("--api-key", help="the server's admin key, when it has one (weight updates are admin calls)")
+    r.add_argument(
+        "--url", help="a running rollout server; default: start one with the --device/--dtype flags"
+    )
+    r.add_argument(
+        "--api-key", help="the server's admin key, when it has one (weight updates are admin calls)"
+    )
     r.add_argument(
         "--backend", choices=["auto", "gloo", "nccl"], default="auto",
         help="update group backend; auto: nccl when the trainer and server are on different GPUs",
     )  # fmt: skip
-    r.add_argument("--master-address", default="127.0.0.1", help="this trainer's address, as the server reaches it")
+    r.add_argument(
+        "--master-address",
+        default="127.0.0.1",
+        help="this trainer's address, as the server reaches it",
+    )
     r.add_argument("--master-port", type=int, help="the update group's port (default: a free one)")
-    r.add_argument("--per-tensor", action="store_true", help="one broadcast per tensor instead of one per dtype")
-    r.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for a started server")
+    r.add_argument(
+        "--per-tensor",
+        action="store_true",
+        help="one broadcast per tensor instead of one per dtype",
+    )
+    r.add_argument(
+        "--server-timeout", type=float, default=300.0, help="seconds to wait for a started server"
+    )
     args = parser.parse_args(argv)
     resolve_devices(args)
     if args.url and not args.model_path:
-        parser.error("--url needs --model-path: the trainer loads the same checkpoint the server serves")
+        parser.error(
+            "--url needs --model-path: the trainer loads the same checkpoint the server serves"
+        )
     if args.backend == "auto":
         trainer, engine = torch.device(args.trainer_device), torch.device(args.device)
         on_gpus = trainer.type == engine.type == "cuda"
         # NCCL cannot join two ranks on one GPU; with --url the server's GPU is the user's call.
-        args.backend = "nccl" if on_gpus and (args.url or _index(trainer) != _index(engine)) else "gloo"
+        args.backend = (
+            "nccl" if on_gpus and (args.url or _index(trainer) != _index(engine)) else "gloo"
+        )
     return args
 
 
@@ -73,29 +102,9 @@ def _index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
-def policy_update(
-    policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, args: argparse.Namespace
-) -> dict[str, float]:
-    """PPO-clip over the step's samples, args.minibatches optimizer steps; the ratio is against
-    the logprobs the server returned with each sampled token (grpo.py's update)."""
-    losses = []
-    for minibatch in batch.minibatches(args.minibatches, args.micro_batch, args.trainer_device):
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for t in minibatch.micro_batches:
-            ratio = torch.exp((token_logprobs(policy, t) - t.old_logprobs).clamp(-20.0, 20.0))  # [B, L-1]
-            adv = t.advantages[:, None]  # [B, 1]
-            surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - args.clip, 1 + args.clip) * adv)
-            loss = -(surrogate * t.mask).sum() / minibatch.num_tokens
-            loss.backward()
-            loss_sum += loss.item()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-        optimizer.step()
-        losses.append(loss_sum)
-    return {"loss": sum(losses) / len(losses)}
-
-
-def push(client: Any, sender: Any, policy: torch.nn.Module, version: str, load_format: str | None) -> float:
+def push(
+    client: Any, sender: Any, policy: torch.nn.Module, version: str, load_format: str | None
+) -> float:
     """Pauses generation, broadcasts the weights, continues; returns the seconds it all took.
     retract: a request in flight (another client's) re-prefills under the new weights rather
     than finishing on a mix of old and new."""
@@ -130,25 +139,27 @@ def main(argv: list[str] | None = None) -> dict:
         stack.callback(sender.close)
         port = args.master_port or free_port(args.master_address)
         device = args.trainer_device if args.backend == "nccl" else None
-        sender.init_group(args.master_address, port, backend=args.backend, group_name="grpo-trainer", device=device)
+        sender.init_group(
+            args.master_address,
+            port,
+            backend=args.backend,
+            group_name="grpo-trainer",
+            device=device,
+        )
         load_format = None if args.per_tensor else "flattened_bucket"
         task = DigitTask(AutoTokenizer.from_pretrained(model_path))
         log = RunLog("remote_trainer", vars(args), use_wandb=not args.no_wandb)
+        # grpo.py's PPO-clip, the ratio against the logprobs the server returned.
+        token_loss = functools.partial(ppo_clip_loss, clip=args.clip)
         version = "step-0"
         initial_sync_s = push(client, sender, policy, version, load_format)
         for step in log.steps(args.steps):
             prompts = task.prompts(args.prompts_per_step, step)
-            start = time.perf_counter()
-            outputs = client.generate(
-                input_ids=prompts, sampling_params=sampling_params(args, len(prompts), step), return_logprob=True
-            )
-            rollout_s = time.perf_counter() - start
-            stale = {o["meta_info"]["weight_version"] for o in outputs} - {version}
-            if stale:
-                raise RuntimeError(f"rollouts of step {step} came from weights {stale}, not {version!r}")
+            params = sampling_params(args, len(prompts), step)
+            outputs, rollout_s = generate_rollouts(client, prompts, params, version)
             batch = RolloutBatch.from_outputs(prompts, outputs, args.n, task.reward)
             gap = logprob_gap(policy, batch, args.micro_batch, args.trainer_device)
-            stats = policy_update(policy, optimizer, batch, args)
+            stats = optimize(policy, optimizer, batch, token_loss, args)
             version = f"step-{step + 1}"
             log.log(step + 1, {
                 "reward": batch.rewards.mean().item(),
@@ -157,7 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "rollout_tokens_per_s": batch.num_tokens / rollout_s,
                 **stats,
             })  # fmt: skip
-        return log.finish(weight_version=version, backend=args.backend, initial_sync_s=initial_sync_s)
+        return log.finish(
+            weight_version=version, backend=args.backend, initial_sync_s=initial_sync_s
+        )
 
 
 if __name__ == "__main__":

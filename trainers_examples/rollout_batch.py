@@ -8,8 +8,10 @@ the importance ratio needs, so the trainer never runs a separate "old policy" fo
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,11 +46,17 @@ class RolloutBatch:
 
     @classmethod
     def from_outputs(
-        cls, prompts: list[list[int]], outputs: list[dict], n: int, reward: Callable[[list[int]], float]
+        cls,
+        prompts: list[list[int]],
+        outputs: list[dict],
+        n: int,
+        reward: Callable[[list[int]], float],
     ) -> RolloutBatch:
         """`outputs` as generate(input_ids=prompts, n=n, return_logprob=True) returns them."""
         if len(outputs) != len(prompts) * n:
-            raise ValueError(f"expected {len(prompts)} prompts x {n} samples, got {len(outputs)} outputs")
+            raise ValueError(
+                f"expected {len(prompts)} prompts x {n} samples, got {len(outputs)} outputs"
+            )
         prompt_ids = [prompts[i // n] for i in range(len(outputs))]
         output_ids = [list(o["output_ids"]) for o in outputs]
         # Entries are (logprob, token_id, text): tuples from the engine, lists over HTTP.
@@ -73,7 +81,9 @@ class RolloutBatch:
         std = groups.std(dim=1, keepdim=True) if self.n > 1 else torch.ones_like(groups)
         return ((groups - groups.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)  # [P * n]
 
-    def tensors(self, index: list[int], advantages: torch.Tensor, device: torch.device | str) -> TokenBatch:
+    def tensors(
+        self, index: list[int], advantages: torch.Tensor, device: torch.device | str
+    ) -> TokenBatch:
         """The samples at `index` padded into one TokenBatch on `device`."""
         seqs = [self.prompt_ids[i] + self.output_ids[i] for i in index]
         length = max(len(s) for s in seqs)
@@ -92,7 +102,9 @@ class RolloutBatch:
             advantages[index].to(device),
         )  # fmt: skip
 
-    def minibatches(self, count: int, micro_batch: int, device: torch.device | str) -> Iterator[Minibatch]:
+    def minibatches(
+        self, count: int, micro_batch: int, device: torch.device | str
+    ) -> Iterator[Minibatch]:
         """The samples shuffled (torch's generator) into `count` minibatches of micro-batches,
         with GRPO advantages; made one at a time, so only one minibatch is on `device`."""
         advantages = self.advantages()
@@ -105,6 +117,48 @@ class RolloutBatch:
             yield Minibatch(micro, max(sum(len(self.output_ids[i]) for i in index), 1))
 
 
+def generate_rollouts(
+    engine: Any, prompts: list[list[int]], sampling_params: list[dict], version: str
+) -> tuple[list[dict], float]:
+    """engine.generate (a RolloutEngine or a RolloutClient) with the sampled tokens' logprobs;
+    returns the outputs and the seconds the call took. Raises if an output came from weights
+    other than `version`: the ratio would then be taken against the wrong behaviour policy."""
+    start = time.perf_counter()
+    outputs = engine.generate(
+        input_ids=prompts, sampling_params=sampling_params, return_logprob=True
+    )
+    seconds = time.perf_counter() - start
+    stale = {o["meta_info"]["weight_version"] for o in outputs} - {version}
+    if stale:
+        raise RuntimeError(f"rollouts came from weights {stale}, not {version!r}")
+    return outputs, seconds
+
+
+def optimize(
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    token_loss: Callable[[torch.Tensor, TokenBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    args: Any,
+) -> dict[str, float]:
+    """One optimizer step per minibatch (args.minibatches of them), gradients accumulated over
+    its micro-batches. token_loss(logprobs, t), logprobs the policy's [B, L-1] on micro-batch t,
+    gives the loss of each token [B, L-1] and per-token statistics of the same shape; the
+    gradient is that of the mean loss over the minibatch's generated tokens. Returns "loss" and
+    each statistic averaged over the batch's generated tokens."""
+    totals: dict[str, float] = {}
+    for minibatch in batch.minibatches(args.minibatches, args.micro_batch, args.trainer_device):
+        optimizer.zero_grad(set_to_none=True)
+        for t in minibatch.micro_batches:
+            loss, stats = token_loss(token_logprobs(policy, t), t)
+            ((loss * t.mask).sum() / minibatch.num_tokens).backward()
+            for name, value in {"loss": loss, **stats}.items():
+                totals[name] = totals.get(name, 0.0) + (value.detach() * t.mask).sum().item()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        optimizer.step()
+    return {name: total / max(batch.num_tokens, 1) for name, total in totals.items()}
+
+
 def token_logprobs(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
     """[B, L-1] log-probabilities the model gives each next token (float32, raw logits: no
     temperature, as the engine reports them)."""
@@ -115,7 +169,9 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def logprob_gap(model: torch.nn.Module, batch: RolloutBatch, micro_batch: int, device: torch.device | str) -> float:
+def logprob_gap(
+    model: torch.nn.Module, batch: RolloutBatch, micro_batch: int, device: torch.device | str
+) -> float:
     """Mean |engine logprob - trainer logprob| over every sampled token, with the weights the
     engine sampled under: how far inference drifts from training (0 up to rounding in float32)."""
     total, count = 0.0, 0

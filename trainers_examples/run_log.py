@@ -37,11 +37,13 @@ class RunLog:
         self.started = time.perf_counter()
         self.wandb_run = _start_wandb(name, config) if use_wandb else None
         where = "wandb offline" if self.wandb_run is not None else "stdout only"
-        print(f"[{name}] logging to {where}; config: {json.dumps(config, sort_keys=True)}", flush=True)
+        print(
+            f"[{name}] logging to {where}; config: {json.dumps(config, sort_keys=True)}", flush=True
+        )
 
     def steps(self, count: int) -> Iterator[int]:
-        """range(count) under a progress bar (on a terminal; on stderr, apart from stdout)."""
-        bar = tqdm(range(count), desc=self.name, unit="step", file=sys.stderr, disable=None)
+        """range(count) under a progress bar (see progress)."""
+        bar = progress(count, self.name)
         self._bar = bar
         yield from bar
 
@@ -82,6 +84,11 @@ class RunLog:
             self.wandb_run.finish()
         print(json.dumps(summary), flush=True)
         return summary
+
+
+def progress(count: int, desc: str) -> tqdm:
+    """range(count) under a progress bar: on stderr, apart from stdout, and only on a terminal."""
+    return tqdm(range(count), desc=desc, unit="step", file=sys.stderr, disable=None)
 
 
 def _mean(values: list[float]) -> float:

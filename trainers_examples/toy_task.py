@@ -43,17 +43,21 @@ class DigitTask:
         stops = {tokenizer.eos_token_id, tokenizer.pad_token_id}
         self.stop_ids = frozenset(t for t in stops if t is not None)
 
-    def prompts(self, count: int, step: int) -> list[list[int]]:
-        """`count` chat-formatted prompts (token ids), rotating through QUESTIONS by step."""
+    def questions(self, count: int, step: int) -> list[str]:
+        """`count` questions, rotating through QUESTIONS by step."""
         if count < 1:
             raise ValueError(f"the number of prompts per step must be >= 1, got {count}")
-        start = step * count
-        questions = [QUESTIONS[(start + i) % len(QUESTIONS)] for i in range(count)]
-        return [self.encode(q) for q in questions]
+        return [QUESTIONS[(step * count + i) % len(QUESTIONS)] for i in range(count)]
+
+    def prompts(self, count: int, step: int) -> list[list[int]]:
+        """The questions of `step`, chat-formatted (token ids)."""
+        return [self.encode(q) for q in self.questions(count, step)]
 
     def encode(self, question: str) -> list[int]:
         messages = [{"role": "user", "content": question}]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def reward(self, output_ids: list[int]) -> float:
