@@ -30,8 +30,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--disable-overlap-schedule", action="store_true")
     args = parser.parse_args()
-    options = {"dtype": args.dtype, "max_total_tokens": args.batch * (args.prompt_len + 4 * args.steps) + 64}
+    options = {
+        "dtype": args.dtype,
+        "max_total_tokens": args.batch * (args.prompt_len + 4 * args.steps) + 64,
+        "disable_overlap_schedule": args.disable_overlap_schedule,
+    }
     model = args.model
     if not os.path.isdir(model):
         model = write_config_checkpoint(model, tempfile.mkdtemp())
@@ -53,7 +58,9 @@ def main() -> None:
     for _ in range(args.steps):
         sched.step()
     torch.cuda.synchronize()
-    print(f"decode step, batch {args.batch}: {(time.perf_counter() - start) / args.steps * 1000:.2f} ms")
+    mode = "off" if args.disable_overlap_schedule else "on"
+    ms = (time.perf_counter() - start) / args.steps * 1000
+    print(f"decode step, batch {args.batch}, overlap {mode}: {ms:.2f} ms")
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     ) as prof:
