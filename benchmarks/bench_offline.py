@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--max-total-tokens", type=int)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     args = parser.parse_args()
@@ -83,6 +84,7 @@ def main() -> None:
         "disable_radix_cache": args.disable_radix_cache,
         "attention_backend": args.attention_backend,
         "disable_cuda_graph": args.disable_cuda_graph,
+        "disable_overlap_schedule": args.disable_overlap_schedule,
     }
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens
@@ -124,6 +126,7 @@ def main() -> None:
         "radix_cache": not args.disable_radix_cache,
         "attention_backend": args.attention_backend,
         "cuda_graph": not args.disable_cuda_graph,
+        "overlap_schedule": not args.disable_overlap_schedule,
     }
     if args.compare == "hf":
         from benchmarks.hf_baseline import hf_throughput

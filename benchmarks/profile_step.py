@@ -31,9 +31,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--cprofile", action="store_true", help="also print the Python functions taking the host's time")
     args = parser.parse_args()
-    options = {"dtype": args.dtype, "attention_backend": args.attention_backend, "max_total_tokens": args.batch * (args.prompt_len + 4 * args.steps) + 64}
+    options = {
+        "dtype": args.dtype,
+        "attention_backend": args.attention_backend,
+        "max_total_tokens": args.batch * (args.prompt_len + 4 * args.steps) + 64,
+        "disable_overlap_schedule": args.disable_overlap_schedule,
+    }
     model = args.model
     if not os.path.isdir(model):
         model = write_config_checkpoint(model, tempfile.mkdtemp())
@@ -55,7 +61,9 @@ def main() -> None:
     for _ in range(args.steps):
         sched.step()
     torch.cuda.synchronize()
-    print(f"decode step, batch {args.batch}: {(time.perf_counter() - start) / args.steps * 1000:.2f} ms")
+    mode = "off" if args.disable_overlap_schedule else "on"
+    ms = (time.perf_counter() - start) / args.steps * 1000
+    print(f"decode step, batch {args.batch}, overlap {mode}: {ms:.2f} ms")
     if args.cprofile:
         import cProfile
         import pstats

@@ -84,6 +84,11 @@ class SchedulerOptions:
     chunked_prefill_size: int = _opt(8192, "max prompt tokens prefilled in one step")
     max_running_requests: int = _opt(256, "max requests decoding at once")
     max_prefill_tokens: int = _opt(16384, "token budget of one prefill step, prefixes excluded")
+    disable_overlap_schedule: bool = _opt(
+        False,
+        "finish each step before planning the next, instead of preparing step k+1 on the host "
+        "while the device computes step k",
+    )
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 1:

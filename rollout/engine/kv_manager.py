@@ -72,11 +72,20 @@ class KVManager:
         if self.cache.disable or req.row in self._stale_rows:
             return  # the request keeps owning all its (new) slots
         tokens = req.ids[: req.kv_len]
-        slots = self.req_to_token.read(req.row, 0, req.kv_len).cpu()
+        slots = self.req_to_token.read(req.row, 0, req.kv_len)
         match = self.cache.cache_unfinished(tokens, slots, req.locked_node, req.prefix_len)
         self.req_to_token.write(req.row, 0, match.slots)
         req.locked_node = match.node
         req.prefix_len = req.kv_len
+
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Frees the request's slots of positions kv_len .. req.kv_len (slots it owns: kv_len is
+        never inside its cached prefix) and shortens its KV to kv_len."""
+        if req.row is None or req.kv_len <= kv_len:
+            return
+        assert kv_len >= req.prefix_len, f"{kv_len} is inside the cached prefix ({req.prefix_len})"
+        self.allocator.free(self.req_to_token.read(req.row, kv_len, req.kv_len))
+        req.kv_len = kv_len
 
     def release(self, req: Req) -> None:
         """Returns everything the request holds: its computed KV goes to the cache (unlocked), its row
@@ -87,14 +96,14 @@ class KVManager:
         if stale is not None:
             # KV of older weights: never cached again. Free what the request owns, unlock its
             # prefix in the old cache, and drop that cache once nobody holds any of it.
-            self.allocator.free(self.req_to_token.read(req.row, req.prefix_len, req.kv_len).cpu())
+            self.allocator.free(self.req_to_token.read(req.row, req.prefix_len, req.kv_len))
             stale.unlock(req.locked_node)
             stale.evict(stale.evictable_size())
             if stale.total_size() == 0:
                 self.stale_caches.remove(stale)
         else:
             tokens = req.ids[: req.kv_len]
-            slots = self.req_to_token.read(req.row, 0, req.kv_len).cpu()
+            slots = self.req_to_token.read(req.row, 0, req.kv_len)
             self.cache.cache_finished(tokens, slots, req.locked_node, req.prefix_len)
         self.req_to_token.free(req.row)
         req.row, req.locked_node = None, None

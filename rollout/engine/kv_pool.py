@@ -89,12 +89,17 @@ class SlotAllocator:
 
 
 class ReqToTokenPool:
-    """Row r of `table` holds the KV slots of request r's tokens, in sequence order."""
+    """Row r of `table` holds the KV slots of request r's tokens, in sequence order.
+
+    The scheduler reads rows from `host`, a host copy kept in step with every write: freeing and
+    caching a request's KV never waits for the device (which may still be computing a step)."""
 
     def __init__(self, max_reqs: int, max_context: int, device: torch.device | str) -> None:
         self.max_reqs = max_reqs
         self.max_context = max_context
         self.table = torch.zeros((max_reqs, max_context), dtype=torch.int64, device=device)
+        on_host = self.table.device.type == "cpu"
+        self.host = self.table if on_host else torch.zeros_like(self.table, device="cpu")
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
     def available(self) -> int:
@@ -107,16 +112,20 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start : start + slots.numel()] = slots.to(self.table.device)
+        """table[row, start : start + len(slots)] = slots (a host tensor), copied without a sync."""
+        self.host[row, start : start + slots.numel()] = slots
+        if self.host is not self.table:
+            src = slots.to(torch.int64).pin_memory()
+            self.table[row, start : start + slots.numel()].copy_(src, non_blocking=True)
 
     def write_many(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
         """table[rows[i], cols[i]] = slots[i]; the three are host tensors, copied without a sync."""
-        device = self.table.device
-        pinned = device.type == "cuda"
-        index = torch.stack([rows, cols]).pin_memory() if pinned else torch.stack([rows, cols])
-        values = slots.pin_memory() if pinned else slots
-        index = index.to(device, non_blocking=True)
-        self.table[index[0], index[1]] = values.to(device, non_blocking=True)
+        self.host[rows, cols] = slots
+        if self.host is not self.table:
+            index = torch.stack([rows, cols]).pin_memory().to(self.table.device, non_blocking=True)
+            values = slots.pin_memory().to(self.table.device, non_blocking=True)
+            self.table[index[0], index[1]] = values
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
-        return self.table[row, start:end]
+        """Slots of row `row`, positions start .. end: a view of the host copy."""
+        return self.host[row, start:end]

@@ -7,7 +7,6 @@ requests run (that is the scheduler's job).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
@@ -19,9 +18,10 @@ from rollout.engine.attention import (
     resolve_attention_backend,
 )
 from rollout.engine.cuda_graph_runner import CudaGraphRunner
-from rollout.engine.forward_batch import ForwardBatch
+from rollout.engine.forward_batch import ForwardBatch, ForwardMode
 from rollout.engine.kv_pool import KVPool, ReqToTokenPool
-from rollout.engine.req import ScheduleBatch
+from rollout.engine.launched_step import LaunchedStep, LogitRow, ReqStepOutput
+from rollout.engine.req import Req, ScheduleBatch
 from rollout.engine.sampler import SamplingBatch, sample
 from rollout.models.layers import use_fused_kernels
 from rollout.models.loader import load_model, resolve_dtype
@@ -30,22 +30,6 @@ logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_TOKENS = 4096
 KERNEL_SAMPLING_MIN_ROWS = 32
-
-
-@dataclass
-class ReqStepOutput:
-    """What one request got from one step. Logprob entries are (logprob, token_id)."""
-
-    next_token: int | None = None
-    token_logprob: tuple[float, int] | None = None
-    top_logprobs: list[tuple[float, int]] | None = None
-    token_ids_logprobs: list[tuple[float, int]] | None = None
-    hidden_state: list[float] | None = None
-    embedding: list[float] | None = None  # embed requests: pooled output of the last token
-    # Prompt positions computed this step: (logprob, id), top-k and requested-id logprobs.
-    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
-    input_token_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
 
 
 def default_device() -> str:
@@ -84,6 +68,11 @@ class ModelRunner:
         # One spare row: a request leaving and one arriving may overlap within a step.
         self.req_to_token = ReqToTokenPool(
             options.scheduler.max_running_requests + 1, self.context_length + 1, self.device
+        )
+        # The last token sampled for each req->token row: the input of the row's next decode,
+        # which may be launched before that token reaches the host.
+        self.last_token = torch.zeros(
+            self.req_to_token.max_reqs, dtype=torch.int64, device=self.device
         )
         self._init_attention(options, num_kv_heads, head_dim)
 
@@ -137,116 +126,171 @@ class ModelRunner:
         return slots
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduleBatch) -> list[ReqStepOutput]:
-        """Runs one step. Before: each req's KV covers [0, kv_len) and `batch.out_cache_loc` holds
-        slots for its next extend_lens[i] tokens, already written to its req->token row."""
-        fb, rows, owners = self._build(batch)
+    def launch(self, batch: ScheduleBatch) -> LaunchedStep:
+        """Queues one step on the device and returns it; nothing here waits for the device.
+        Before: request i's KV covers [0, batch.starts[i]) and `batch.out_cache_loc` holds slots
+        for its next extend_lens[i] tokens, already written to its req->token row. A decode reads
+        each request's input token from `last_token`, so the previous step may still be running.
+        Requests with sampling penalties must have all their sampled tokens in output_ids."""
+        fb, hidden_rows, rows = self._build(batch)
         hidden = self._run_model(fb)
-        outs = [ReqStepOutput() for _ in batch.reqs]
-        for req, out in zip(batch.reqs, outs):
-            if req.wants_prompt_logprobs() and req.kv_len == 0 and req.req.logprob_start_len == 0:
+        step = LaunchedStep(batch, rows, [ReqStepOutput() for _ in batch.reqs])
+        for req, start, out in zip(batch.reqs, batch.starts, step.outs):
+            if req.wants_prompt_logprobs() and start == 0 and req.req.logprob_start_len == 0:
                 # The first token has no logprob: nothing precedes it.
                 out.input_token_logprobs.append((None, req.ids[0]))
                 out.input_top_logprobs.append(None)
                 out.input_token_ids_logprobs.append(None)
-        if not rows:
-            return outs
-        # A decode samples every row in order: no gather (its index copy would wait for the GPU).
-        every_row = len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1
-        selected = hidden if every_row else hidden[self._to_device(rows)]
-        if self._pool(batch, owners, selected, outs):
-            return outs
+        if rows:
+            # A decode samples every row in order: no gather.
+            n = len(hidden_rows)
+            every_row = n == hidden.shape[0] and hidden_rows[-1] == n - 1
+            selected = hidden if every_row else hidden[self._to_device(hidden_rows)]
+            self._queue_outputs(batch.reqs, rows, selected, step.tensors)
+        step.copy_to_host(self.device)
+        return step
+
+    def resolve(self, step: LaunchedStep) -> list[ReqStepOutput]:
+        """Waits for a launched step; one output per request of its batch, in order."""
+        return step.outputs()
+
+    def _queue_outputs(
+        self,
+        reqs: list[Req],
+        rows: list[LogitRow],
+        selected: torch.Tensor,
+        out: dict[str, torch.Tensor],
+    ) -> None:
+        """Queues the device work of the rows' outputs, named as in LaunchedStep, into `out`.
+        selected: [R, hidden] final-norm hidden states of `rows`."""
+        pool = [k for k, row in enumerate(rows) if row.kind == "pool"]
+        if pool:
+            pooled = selected[self._to_device(pool)]
+            out["pooled"] = self._pool([reqs[rows[k].req] for k in pool], pooled)
+        if len(pool) == len(rows):
+            return  # no logits needed: a classifier has no LM head
         logits = self.model.compute_logits(selected)  # [R, V] float32
-        need_logprobs = any(r.req.return_logprob for r in batch.reqs)
-        logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
+        # Before sampling, which penalizes the logits in place.
+        wants = [reqs[row.req].req.return_logprob and row.kind != "pool" for row in rows]
+        lp_rows = [k for k, want in enumerate(wants) if want]
+        logprobs = None
+        if lp_rows:
+            every = len(lp_rows) == len(rows)
+            scored = logits if every else logits[self._to_device(lp_rows)]
+            logprobs = torch.log_softmax(scored, dim=-1)
+        sample_rows = [k for k, row in enumerate(rows) if row.kind == "sample"]
+        tokens = None
+        if sample_rows:
+            tokens = self._sample(reqs, [rows[k] for k in sample_rows], sample_rows, logits)
+            out["tokens"] = tokens
+            hidden = [k for k in sample_rows if reqs[rows[k].req].req.return_hidden_states]
+            if hidden:
+                out["hidden"] = selected[self._to_device(hidden)].float()
+        if logprobs is not None:
+            self._queue_logprobs(reqs, rows, lp_rows, sample_rows, logprobs, tokens, out)
 
-        sample_idx = [k for k, (i, kind, _) in enumerate(owners) if kind == "sample"]
-        sample_reqs = [batch.reqs[owners[k][0]] for k in sample_idx]
-        if sample_idx:
-            sampling = SamplingBatch.build(
-                [r.req.params for r in sample_reqs],
-                [r.req.seed for r in sample_reqs],
-                [r.output_ids for r in sample_reqs],
-                [r.prompt_ids for r in sample_reqs],
-                self.eos_token_ids,
-                logits.shape[-1],
-                self.device,
+    def _sample(
+        self, reqs: list[Req], rows: list[LogitRow], at: list[int], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Samples the `rows` (logits rows `at`) and stores each token as its request's
+        `last_token`. Returns [S] int64 token ids on the device."""
+        sreqs = [reqs[row.req] for row in rows]
+        # Tokens generated before this one: those on the host plus any still on the device.
+        steps = [row.target - len(r.prompt_ids) for row, r in zip(rows, sreqs)]
+        for r, n in zip(sreqs, steps):
+            assert not r.penalizes_output() or len(r.output_ids) == n, (
+                f"{r.rid}: penalties need its {n} output tokens on the host, {len(r.output_ids)} are"
             )
-            every = len(sample_idx) == len(logits)
-            rows_logits = logits if every else logits[self._to_device(sample_idx)]
-            # One kernel program samples one row: it wins from a few dozen rows on (Qwen3-0.6B's
-            # vocabulary, H100: 0.28 ms for 1 row, 0.41 ms for 256; the torch ops ~3.4 ms at 256).
-            kernel = self.fused_kernels and len(sample_idx) >= KERNEL_SAMPLING_MIN_ROWS
-            tokens = dict(zip(sample_idx, sample(rows_logits, sampling, kernel).tolist()))
-        for k, (i, kind, target) in enumerate(owners):
-            req, out = batch.reqs[i], outs[i]
-            if kind == "pool":
-                continue
-            if kind == "sample":
-                token = tokens[k]
-                out.next_token = token
-                if req.req.return_hidden_states:
-                    out.hidden_state = selected[k].float().tolist()
-                if logprobs is not None and req.req.return_logprob:
-                    out.token_logprob = (logprobs[k, token].item(), token)
-                    out.top_logprobs = self._top(logprobs[k], req.req.top_logprobs_num)
-                    out.token_ids_logprobs = self._ids(logprobs[k], req.req.token_ids_logprob)
-            else:  # a prompt position: logits at target-1 score prompt token `target`
-                assert logprobs is not None
-                token = req.ids[target]
-                out.input_token_logprobs.append((logprobs[k, token].item(), token))
-                out.input_top_logprobs.append(self._top(logprobs[k], req.req.top_logprobs_num))
-                out.input_token_ids_logprobs.append(self._ids(logprobs[k], req.req.token_ids_logprob))
-        return outs
+        sampling = SamplingBatch.build(
+            [r.req.params for r in sreqs],
+            [r.req.seed for r in sreqs],
+            [r.output_ids for r in sreqs],
+            [r.prompt_ids for r in sreqs],
+            self.eos_token_ids,
+            logits.shape[-1],
+            self.device,
+            steps=steps,
+        )
+        every = len(at) == len(logits)
+        # One kernel program samples one row: it wins from a few dozen rows on (Qwen3-0.6B's
+        # vocabulary, H100: 0.28 ms for 1 row, 0.41 ms for 256; the torch ops ~3.4 ms at 256).
+        kernel = self.fused_kernels and len(at) >= KERNEL_SAMPLING_MIN_ROWS
+        tokens = sample(logits if every else logits[self._to_device(at)], sampling, kernel)
+        self.last_token[self._to_device([r.row for r in sreqs])] = tokens
+        return tokens
 
-    def _pool(
-        self, batch: ScheduleBatch, owners: list[tuple[int, str, int]], selected: torch.Tensor,
-        outs: list[ReqStepOutput],
-    ) -> bool:  # fmt: skip
-        """Fills the embeddings of the rows that pool (an embed request's last token) and says
-        whether that was every row (then no logits are needed: a classifier has no LM head).
-        selected: [R, hidden] final-norm hidden states of the rows in `owners`."""
-        pool_idx = [k for k, (_, kind, _) in enumerate(owners) if kind == "pool"]
-        if pool_idx:
-            pooled = selected[self._to_device(pool_idx)]  # [P, hidden]
-            if hasattr(self.model, "compute_scores"):
-                pooled = self.model.compute_scores(pooled)  # [P, num_labels]
-            pooled = pooled.float()
-            for row, k in zip(pooled, pool_idx):
-                req = batch.reqs[owners[k][0]]
-                row = torch.nn.functional.normalize(row, dim=-1) if req.req.normalize else row
-                outs[owners[k][0]].embedding = row.tolist()
-        return len(pool_idx) == len(owners)
+    def _queue_logprobs(
+        self, reqs: list[Req], rows: list[LogitRow], lp_rows: list[int], sample_rows: list[int],
+        logprobs: torch.Tensor, tokens: torch.Tensor | None, out: dict[str, torch.Tensor],
+    ) -> None:  # fmt: skip
+        """logprobs: [L, V] of rows `lp_rows`; tokens: [S] sampled at `sample_rows`."""
+        # Each row's logprob is of the prompt token it scores, or of the token just sampled.
+        if lp_rows == sample_rows:
+            assert tokens is not None
+            targets = tokens
+        else:
+            prompt_ids = [rows[k].target if rows[k].kind == "prompt" else 0 for k in lp_rows]
+            targets = self._to_device(prompt_ids)
+            where = {k: j for j, k in enumerate(sample_rows)}
+            sampled = [(j, where[k]) for j, k in enumerate(lp_rows) if rows[k].kind == "sample"]
+            if sampled:
+                assert tokens is not None
+                dst, src = zip(*sampled)
+                targets[self._to_device(list(dst))] = tokens[self._to_device(list(src))]
+        out["chosen"] = logprobs.gather(1, targets[:, None]).squeeze(1)
+        lp_reqs = [reqs[rows[k].req].req for k in lp_rows]
+        top_k = min(max(r.top_logprobs_num for r in lp_reqs), logprobs.shape[-1])
+        if top_k > 0:
+            out["top_values"], out["top_ids"] = logprobs.topk(top_k, dim=-1)
+        pairs = [(j, t) for j, r in enumerate(lp_reqs) for t in r.token_ids_logprob or ()]
+        if pairs:
+            at, ids = zip(*pairs)
+            out["id_logprobs"] = logprobs[self._to_device(list(at)), self._to_device(list(ids))]
 
-    def _build(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int], list[tuple[int, str, int]]]:
-        """Tensors for the forward, plus which hidden rows need logits and why:
-        owners[k] = (req index, "sample" | "prompt", target position)."""
+    def _pool(self, reqs: list[Req], pooled: torch.Tensor) -> torch.Tensor:
+        """Embeddings of embed requests: pooled: [P, hidden] hidden states of their last tokens.
+        Returns [P, D] float32: the hidden states, or a classifier's scores; normalized on
+        request."""
+        if hasattr(self.model, "compute_scores"):
+            pooled = self.model.compute_scores(pooled)  # [P, num_labels]
+        pooled = pooled.float()
+        if not any(r.req.normalize for r in reqs):
+            return pooled
+        normalize = torch.nn.functional.normalize
+        rows = [normalize(v, dim=-1) if r.req.normalize else v for v, r in zip(pooled, reqs)]
+        return torch.stack(rows)
+
+    def _build(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int], list[LogitRow]]:
+        """Tensors for the forward, plus which hidden rows need outputs and why."""
+        decode = batch.mode is ForwardMode.DECODE
         input_ids: list[int] = []
         positions: list[int] = []
-        rows: list[int] = []
-        owners: list[tuple[int, str, int]] = []
-        for i, (req, ext) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            start, ids = req.kv_len, req.ids
-            base = len(input_ids)
-            input_ids.extend(ids[start : start + ext])
+        hidden_rows: list[int] = []
+        rows: list[LogitRow] = []
+        for i, (req, start, ext) in enumerate(zip(batch.reqs, batch.starts, batch.extend_lens)):
+            base = len(positions)
+            if not decode:
+                input_ids.extend(req.ids[start : start + ext])
             positions.extend(range(start, start + ext))
             if req.wants_prompt_logprobs():
                 first = max(req.req.logprob_start_len, 1)
                 # Position p's logits score token p + 1, for prompt tokens first .. P-1.
                 for p in range(max(start, first - 1), min(start + ext, len(req.prompt_ids) - 1)):
-                    rows.append(base + p - start)
-                    owners.append((i, "prompt", p + 1))
+                    hidden_rows.append(base + p - start)
+                    rows.append(LogitRow(i, "prompt", req.ids[p + 1]))
             if batch.samples(i):
-                rows.append(base + ext - 1)
-                owners.append((i, "pool" if req.req.embed else "sample", start + ext))
+                hidden_rows.append(base + ext - 1)
+                rows.append(LogitRow(i, "pool" if req.req.embed else "sample", start + ext))
         dev = self.device
-        seq_lens = [r.kv_len + e for r, e in zip(batch.reqs, batch.extend_lens)]
+        req_pool_indices = self._to_device([r.row for r in batch.reqs])
+        seq_lens = [start + ext for start, ext in zip(batch.starts, batch.extend_lens)]
         fb = ForwardBatch(
             mode=batch.mode,
-            input_ids=self._to_device(input_ids),
+            # A decode's input tokens were sampled on the device and may not be on the host yet.
+            input_ids=self.last_token[req_pool_indices] if decode else self._to_device(input_ids),
             positions=self._to_device(positions),
             out_cache_loc=batch.out_cache_loc.to(dev, non_blocking=True),
-            req_pool_indices=self._to_device([r.row for r in batch.reqs]),
+            req_pool_indices=req_pool_indices,
             seq_lens=self._to_device(seq_lens),
             extend_lens=self._to_device(batch.extend_lens),
             req_to_token=self.req_to_token.table,
@@ -255,7 +299,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=list(batch.extend_lens),
         )
-        return fb, rows, owners
+        return fb, hidden_rows, rows
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """int64 tensor of `values` on the device. Non-blocking: a blocking copy from pageable
@@ -268,16 +312,3 @@ class ModelRunner:
             return self.graph_runner.replay(fb)
         self.attn_backend.prepare(fb)
         return self.model(fb.input_ids, fb.positions, fb)
-
-    @staticmethod
-    def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]] | None:
-        if k <= 0:
-            return None
-        values, ids = logprobs.topk(min(k, logprobs.shape[-1]))
-        return list(zip(values.tolist(), ids.tolist()))
-
-    @staticmethod
-    def _ids(logprobs: torch.Tensor, token_ids: list[int] | None) -> list[tuple[float, int]] | None:
-        if not token_ids:
-            return None
-        return list(zip(logprobs[token_ids].tolist(), token_ids))

@@ -63,20 +63,40 @@ class Req:
             limit = min(limit, max(self.req.logprob_start_len, 1) - 1)
         return max(limit, 0)
 
+    def penalizes_output(self) -> bool:
+        """Does sampling read the tokens generated so far (repetition, frequency or presence
+        penalties)? Then each token must be on the host before the next one is sampled."""
+        p = self.req.params
+        return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
     def add_pending(self, key: str, value: Any) -> None:
         self.pending.setdefault(key, []).append(value)
 
 
 @dataclass
 class ScheduleBatch:
-    """One step's work: which requests, and how many new tokens each computes."""
+    """One step's work: which requests, and how many new tokens each computes.
+
+    Positions come from `starts`, taken when the batch is planned: a request's host state may
+    lag behind the device (its newest token still being sampled) when the batch runs."""
 
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]  # new tokens per request (1 in decode)
     out_cache_loc: torch.Tensor  # [sum(extend_lens)] int64 KV slots for the new tokens
+    starts: list[int] = field(init=False)  # each request's kv_len when planned: its first position
+    sampling: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.starts = [r.kv_len for r in self.reqs]
+        # A decode always samples (its input token may still be on the device); an extend
+        # samples once it reaches the end of the request's known tokens.
+        decode = self.mode is ForwardMode.DECODE
+        self.sampling = [
+            decode or start + ext == len(r.ids)
+            for r, start, ext in zip(self.reqs, self.starts, self.extend_lens)
+        ]
 
     def samples(self, i: int) -> bool:
         """Does request i sample a token after this step (its whole sequence now has KV)?"""
-        req = self.reqs[i]
-        return req.kv_len + self.extend_lens[i] == len(req.ids)
+        return self.sampling[i]

@@ -67,10 +67,14 @@ class SamplingBatch:
         eos_token_ids: list[int],
         vocab_size: int,
         device: torch.device | str,
+        steps: list[int] | None = None,
     ) -> SamplingBatch:
         """All lists are per request, in row order. Seeds are any Python ints (taken mod 2^64).
+        `steps`: tokens each request has generated so far, when output_ids lag behind (they must
+        not for a request with penalties); defaults to len(output_ids[i]).
         Copies to `device` are non-blocking: building never waits for the device."""
         V = vocab_size
+        steps = [len(ids) for ids in output_ids] if steps is None else steps
 
         def put(values: list | np.ndarray, dtype: torch.dtype) -> Tensor:
             return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -88,7 +92,7 @@ class SamplingBatch:
         top_ks = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
         rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         gen = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
-        ban = [i for i, p in enumerate(params) if len(output_ids[i]) < p.min_new_tokens]
+        ban = [i for i, p in enumerate(params) if steps[i] < p.min_new_tokens]
         ban_ids = [
             sorted({t for t in eos_token_ids + params[i].stop_token_ids if t < V}) for i in ban
         ]
@@ -102,7 +106,7 @@ class SamplingBatch:
             top_ps=put([p.top_p for p in params], torch.float32),
             min_ps=put([p.min_p for p in params], torch.float32),
             seeds=put([_i64(s) for s in seeds], torch.int64),
-            steps=put([len(ids) for ids in output_ids], torch.int64),
+            steps=put(steps, torch.int64),
             repetition_penalties=put([p.repetition_penalty for p in params], torch.float32),
             frequency_penalties=put([[p.frequency_penalty] for p in params], torch.float32),
             presence_penalties=put([[p.presence_penalty] for p in params], torch.float32),

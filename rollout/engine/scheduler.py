@@ -4,6 +4,13 @@ Each step is either a prefill (new requests and chunks of long prompts, under a 
 or a decode (one token for every running request). Prefill goes first, as in SGLang. When
 the KV pool runs dry during decode, the newest running requests are retracted to the front of
 the queue and later re-prefilled (their computed KV stays in the prefix cache while it lasts).
+
+Overlap: one batch stays in flight. A step plans and launches batch k, then applies batch k-1's
+results (tokens, stops, outputs) while the device computes k. What planning reads (KV lengths,
+slots, the prefix cache, which requests run) advances at launch; tokens and finishing at apply.
+So a request that finished in k-1 may be in k: that token is dropped and its KV freed. A batch
+whose requests have sampling penalties is applied before the next is planned (penalties read the
+tokens so far); every call that changes requests or weights from outside `drain`s first.
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ import torch
 from rollout.config import EngineOptions
 from rollout.engine.forward_batch import ForwardMode
 from rollout.engine.kv_manager import KVManager
+from rollout.engine.launched_step import LaunchedStep, ReqStepOutput
 from rollout.engine.messages import AbortRequest, DecodeParams, ReqOutput, TokenizedRequest
-from rollout.engine.model_runner import ModelRunner, ReqStepOutput
+from rollout.engine.model_runner import ModelRunner
 from rollout.engine.req import Req, ScheduleBatch
 from rollout.engine.stop_checker import StopChecker
 
@@ -41,6 +49,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None  # mid-prefill; continues first in the next prefill
+        self.in_flight: LaunchedStep | None = None  # launched, results not applied yet
+        self.overlap = not options.scheduler.disable_overlap_schedule
         self.to_report: list[Req] = []  # finished, or streaming with new tokens
         self.weight_version = "default"
         # Why stepping is held (generation paused, memory released, ...): requests wait meanwhile.
@@ -55,6 +65,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, msg: AbortRequest) -> None:
+        self.drain()
         for req in self._live():
             if msg.abort_all or req.rid == msg.rid:
                 self._finish(req, {"type": "abort", "message": "aborted by request"})
@@ -68,12 +79,14 @@ class Scheduler:
         return [*self.waiting, *self.running, *chunk]
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.in_flight)
 
     def can_step(self) -> bool:
-        return self.has_work() and not self.holds
+        """Would `step` do anything? (A held scheduler still applies the batch in flight.)"""
+        return self.in_flight is not None or (self.has_work() and not self.holds)
 
     def flush_cache(self) -> dict:
+        self.drain()
         if self.has_work():
             return {"success": False, "message": "cannot flush the cache while requests are running"}
         self.kv.flush()
@@ -81,11 +94,34 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Runs one batch if there is work; returns the requests with something to report."""
+        """Launches the next batch if there is work, then applies the batch launched by the
+        previous step (without overlap: this one). Returns the requests with something to report."""
+        if self.in_flight is not None and self._penalized(self.in_flight):
+            self.drain()
         batch = None if self.holds else (self._plan_prefill() or self._plan_decode())
+        previous, self.in_flight = self.in_flight, None  # planning may have drained it
         if batch is not None:
-            outs = self.runner.forward(batch)
-            self._apply(batch, outs)
+            self.in_flight = self._launch(batch)
+        if previous is not None:
+            self._apply(previous)
+        if not self.overlap:
+            self.drain()
+        return self.take_reports()
+
+    @staticmethod
+    def _penalized(step: LaunchedStep) -> bool:
+        """Penalties read the tokens so far: such requests' next step waits for this one."""
+        return any(r.penalizes_output() for r in step.batch.reqs)
+
+    def drain(self) -> None:
+        """Applies the batch in flight, if any. Afterwards every sampled token is on the host,
+        each running request's KV covers all but its newest token, and the device is done."""
+        step, self.in_flight = self.in_flight, None
+        if step is not None:
+            self._apply(step)
+
+    def take_reports(self) -> list[Req]:
+        """The requests with something to report since the last call (finished, or streaming)."""
         done, self.to_report = self.to_report, []
         return done
 
@@ -144,6 +180,8 @@ class Scheduler:
         return False
 
     def _plan_decode(self) -> ScheduleBatch | None:
+        if self.kv.free_slots() < len(self.running):
+            self.drain()  # requests that finished in the batch in flight free their KV first
         while self.running and self.kv.free_slots() < len(self.running):
             self._retract(self.running.pop())
         if not self.running:
@@ -162,6 +200,7 @@ class Scheduler:
         """Puts every running and mid-prefill request back at the head of the queue, in order,
         releasing its KV; each re-prefills (from the cache while it lasts) once stepping resumes.
         Returns how many were retracted."""
+        self.drain()
         reqs = [*self.running, *([self.chunked] if self.chunked is not None else [])]
         self.running, self.chunked = [], None
         for req in reversed(reqs):
@@ -173,6 +212,7 @@ class Scheduler:
         """From the next step on, outputs carry `version`. A request that already computed
         something records where the version changed; with new weights, no request attached
         later reuses KV computed before (live requests keep theirs and continue in place)."""
+        self.drain()
         for req in self._live():
             if req.output_ids or req.kv_len:
                 change = {"offset": len(req.output_ids), "weight_version": version}
@@ -181,27 +221,42 @@ class Scheduler:
             self.kv.invalidate_cache(self._live())
         self.weight_version = version
 
-    # ---- results --------------------------------------------------------------------------
-    def _apply(self, batch: ScheduleBatch, outs: list[ReqStepOutput]) -> None:
-        if batch.mode is ForwardMode.EXTEND:
-            self.chunked = None
-        for req, ext, out in zip(batch.reqs, batch.extend_lens, outs):
-            if req.finished:  # aborted while in the batch
-                continue
+    # ---- launching and results --------------------------------------------------------------
+    def _launch(self, batch: ScheduleBatch) -> LaunchedStep:
+        """Queues the batch on the device and advances what planning the next batch reads: KV
+        lengths, the prefix cache, the chunked and running requests."""
+        step = self.runner.launch(batch)
+        if batch.mode is ForwardMode.DECODE:
+            for req in batch.reqs:
+                req.kv_len += 1
+            return step
+        self.chunked = None
+        for i, (req, ext) in enumerate(zip(batch.reqs, batch.extend_lens)):
             req.kv_len += ext
+            self.kv.insert_computed(req)
+            if not batch.samples(i):
+                self.chunked = req
+                continue
+            req.input_logprobs_done = True
+            if req.max_new_tokens > 0:
+                self.running.append(req)  # decodes next, from the token sampled on the device
+        return step
+
+    def _apply(self, step: LaunchedStep) -> None:
+        """Records a launched batch's results: prompt logprobs, tokens, stops and finishes."""
+        batch = step.batch
+        outs = self.runner.resolve(step)
+        for i, (req, out) in enumerate(zip(batch.reqs, outs)):
+            if req.finished:  # finished by an earlier batch, or aborted: its token is dropped
+                continue
             self._record_prompt_logprobs(req, out)
-            if batch.mode is ForwardMode.EXTEND:
-                self.kv.insert_computed(req)
-                if req.kv_len < len(req.ids):
-                    self.chunked = req
-                    continue
-                req.input_logprobs_done = True
-                if out.embedding is not None:
-                    req.add_pending("embedding", out.embedding)
-                if req.max_new_tokens == 0:  # prefill only: prompt logprobs, no sampling
-                    self._finish(req, {"type": "length", "length": 0})
-                    continue
-                self.running.append(req)
+            if not batch.samples(i):
+                continue
+            if out.embedding is not None:
+                req.add_pending("embedding", out.embedding)
+            if req.max_new_tokens == 0:  # prefill only: prompt logprobs, no sampling
+                self._finish(req, {"type": "length", "length": 0})
+                continue
             self._record_token(req, out)
         self.running = [r for r in self.running if not r.finished]
 
@@ -232,6 +287,11 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finish_reason = reason
+        if req.output_ids:
+            # NOTE: a running request's KV covers all but its newest token. A decode launched
+            # before this finish was known computes that token's KV too: freed, not cached, so
+            # the cache holds what it would without overlap.
+            self.kv.truncate(req, len(req.prompt_ids) + len(req.output_ids) - 1)
         self.kv.release(req)
         self.to_report.append(req)
 

@@ -108,21 +108,29 @@ class SchedulerProcess:
                 recv.poll(IDLE_POLL_MS)
             replies: list[ControlReply] = []
             while recv.poll(0):
-                reply = self.handle(recv.recv_pyobj())
+                msg = recv.recv_pyobj()
+                if isinstance(msg, ControlRequest):
+                    # A control call sees no batch in flight, and that batch's outputs leave
+                    # first: stamped with the weight version that computed them.
+                    self.scheduler.drain()
+                    self._send_outputs(send, self.scheduler.take_reports())
+                reply = self.handle(msg)
                 if reply is not None:
                     replies.append(reply)
             shutdown = [r for r in replies if r.result == "shutdown"]
             replies = [r for r in replies if r.result != "shutdown"]
-            done = self.scheduler.step()
-            if done:
-                # A request may appear twice (streamed, then aborted): report it once.
-                unique = list({id(r): r for r in done}.values())
-                send.send_pyobj(ReqOutputBatch([self.scheduler.make_output(r) for r in unique]))
+            self._send_outputs(send, self.scheduler.step())
             for reply in replies:
                 send.send_pyobj(reply)
             if shutdown:
                 send.send_pyobj(shutdown[0])
                 return
+
+    def _send_outputs(self, send: zmq.Socket, done: list) -> None:
+        if done:
+            # A request may appear twice (streamed, then aborted): report it once.
+            unique = list({id(r): r for r in done}.values())
+            send.send_pyobj(ReqOutputBatch([self.scheduler.make_output(r) for r in unique]))
 
 
 def run_scheduler_process(options: EngineOptions, addrs: Addresses, parent_pid: int) -> None:
