@@ -36,20 +36,11 @@ from example_setup import (
     resolve_devices,
     sampling_params,
 )
-from grpo import ppo_clip_loss
+from grpo import DEFAULTS, ppo_clip_loss
 from rollout_batch import RolloutBatch, generate_rollouts, logprob_gap, optimize
 from run_log import RunLog
 from server_process import free_port, serve
 from toy_task import DigitTask
-
-DEFAULTS = {
-    "steps": 20,
-    "prompts_per_step": 8,
-    "n": 8,
-    "max_new_tokens": 8,
-    "lr": 5e-3,
-    "minibatches": 2,
-}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
