@@ -91,19 +91,12 @@ def test_remote_trainer_against_a_running_server_with_an_admin_key(tiny_qwen3, t
             "remote_trainer.py", "--url", url, "--api-key", "admin", "--model-path", tiny_qwen3,
             "--steps", "2", "--per-tensor", "--no-wandb", cwd=str(tmp_path),
         )  # fmt: skip
-        summary = summary_of(proc, steps=2, exit_code=False)
+        summary = summary_of(proc, steps=2)
         # The trainer's weights went to the server before the first rollout and after each step.
         assert summary["weight_version"] == "step-2" and summary["max_logprob_gap"] < FLOAT32_GAP
         assert server.poll() is None  # the example leaves a server it did not start running
     finally:
         stop_server(server)
-    if proc.returncode == -signal.SIGABRT and "terminate called" in proc.stderr:
-        # Known bug in rollout/weight_sync/update_group.py: UpdateGroup.close() drops the
-        # process group on a daemon thread, and a process that exits right after closing it
-        # (the server being still up) aborts in the group's destructor. Everything before the
-        # exit worked (checked above).
-        pytest.xfail("UpdateGroup.close() then exit aborts (std::terminate) while the peer is up")
-    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.mark.slow

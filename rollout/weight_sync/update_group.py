@@ -158,8 +158,10 @@ class UpdateGroup:
         work.wait()  # raises the transport's error, if any
 
     def close(self, failed: bool = False) -> None:
-        """Leaves the group. After a failure the group is aborted first; dropping it may block
-        until its own timeout, so that happens on a background thread."""
+        """Leaves the group. A healthy group is shut down and dropped here. After a failure
+        the group is aborted first; dropping it may then block until its own timeout, so that
+        happens on a background thread. (A group left for a daemon thread to drop can abort
+        the whole process if it exits meanwhile: only a failed group takes that risk.)"""
         held = [self._pg, self._store]
         self._pg = self._store = None
         if held[0] is None:
@@ -168,7 +170,10 @@ class UpdateGroup:
             held[0].abort() if failed else held[0].shutdown()
         except RuntimeError as e:
             logger.warning("closing weight update group %r: %s", self.name, e)
-        threading.Thread(target=held.clear, name=f"drop-{self.name}", daemon=True).start()
+        if failed:
+            threading.Thread(target=held.clear, name=f"drop-{self.name}", daemon=True).start()
+        else:
+            held.clear()
 
     @property
     def closed(self) -> bool:
