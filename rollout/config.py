@@ -89,8 +89,18 @@ class SchedulerOptions:
         "finish each step before planning the next, instead of preparing step k+1 on the host "
         "while the device computes step k",
     )
+    schedule_conservativeness: float = _opt(
+        1.0,
+        "how much KV a new request must leave free for the running ones' future tokens: 1 "
+        "reserves an estimate learned from retractions, higher admits fewer requests (fewer "
+        "retractions), 0 reserves nothing",
+    )
 
     def __post_init__(self) -> None:
+        if not self.schedule_conservativeness >= 0:
+            raise ValueError(
+                f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}"
+            )
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_running_requests < 1:

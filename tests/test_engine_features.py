@@ -196,3 +196,24 @@ def test_small_kv_pool_retracts_and_still_matches(tiny_qwen2):
     assert got == expected
     assert info["retractions"] > 0
     assert info["kv_whole"]
+
+
+def test_admission_estimates_future_tokens_and_retracts_less(tiny_qwen2):
+    # Admission keeps KV free for what running requests are still to generate (SGLang's
+    # new-token ratio): fewer retractions, so less prefill redone, and the same outputs.
+    prompts = [_ids(300 + i, 30 + 5 * i) for i in range(12)]
+    params = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
+    runs = {}
+    for conservativeness in (0.0, 1.0):  # 0: reserve nothing, admit whatever fits now
+        with RolloutEngine(
+            tiny_qwen2, dtype="float32", device="cpu", max_total_tokens=300,
+            schedule_conservativeness=conservativeness,
+        ) as engine:  # fmt: skip
+            outs = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+            info = engine.get_server_info()
+        assert info["kv_whole"]
+        runs[conservativeness] = (outs, info["retractions"])
+    assert runs[1.0][0] == runs[0.0][0]
+    assert runs[1.0][1] < runs[0.0][1], runs
+    with pytest.raises(ValueError, match="schedule_conservativeness must be >= 0"):
+        RolloutEngine(tiny_qwen2, device="cpu", schedule_conservativeness=-1)

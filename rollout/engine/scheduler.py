@@ -16,6 +16,7 @@ tokens so far); every call that changes requests or weights from outside `drain`
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 
@@ -32,9 +33,17 @@ from rollout.engine.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 
-# Decode tokens reserved per running request before a new prompt is admitted: keeps
-# admission from immediately forcing a retraction.
-DECODE_RESERVE = 16
+# Admission keeps KV free for the tokens that running (and newly admitted) requests are
+# still to generate: new_token_ratio x their remaining max_new_tokens (at most CLIP_MAX_NEW of
+# them). The ratio starts at RATIO_INIT x schedule_conservativeness, decays linearly to
+# RATIO_MIN_FACTOR x that over RATIO_DECAY_STEPS decode steps (requests mostly stop early), and
+# jumps back up when a retraction shows it was too low.
+RATIO_INIT = 0.7
+RATIO_MIN_FACTOR = 0.14
+RATIO_DECAY_STEPS = 600
+CLIP_MAX_NEW = 4096
+# A retraction assumes the requests still running decode at least this many more tokens.
+RETRACT_DECODE_STEPS = 20
 # Requests in one prefill whose next uncomputed tokens agree on this many ids share them:
 # all but the first wait a step and take the KV from the cache (n samples of one prompt).
 SHARED_HEAD = 16
@@ -55,6 +64,10 @@ class Scheduler:
         self.weight_version = "default"
         # Why stepping is held (generation paused, memory released, ...): requests wait meanwhile.
         self.holds: set[str] = set()
+        c = self.options.schedule_conservativeness
+        self.init_ratio = min(RATIO_INIT * c, 1.0)
+        self.min_ratio = min(self.init_ratio * RATIO_MIN_FACTOR, 1.0)
+        self.new_token_ratio = self.init_ratio
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0}
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -130,7 +143,7 @@ class Scheduler:
         reqs: list[Req] = []
         lens: list[int] = []
         slots = []
-        reserve = sum(min(r.max_new_tokens - len(r.output_ids), DECODE_RESERVE) for r in self.running)
+        reserve = sum(self._future_tokens(r) for r in self.running)
         candidates = ([self.chunked] if self.chunked is not None else []) + list(self.waiting)
         for req in candidates:
             if budget <= 0:
@@ -146,7 +159,8 @@ class Scheduler:
                 if req.cached_tokens == 0:
                     req.cached_tokens = req.kv_len
             remaining = len(req.ids) - req.kv_len
-            room = self.kv.free_slots() - (reserve if is_new else 0)
+            own = self._future_tokens(req) if is_new else 0
+            room = self.kv.free_slots() - (reserve + own if is_new else 0)
             ext = min(remaining, budget, room)
             got = self.kv.allocate(req, ext) if ext > 0 else None
             if got is None:
@@ -158,6 +172,7 @@ class Scheduler:
                 if not req.output_ids:
                     self.stats["prompt_tokens"] += len(req.prompt_ids)
                     self.stats["cached_tokens"] += req.kv_len
+            reserve += own
             reqs.append(req)
             lens.append(ext)
             slots.append(got)
@@ -179,16 +194,37 @@ class Scheduler:
                 return True
         return False
 
+    def _future_tokens(self, req: Req) -> int:
+        """KV that admission keeps free for `req`'s tokens still to come."""
+        remaining = min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW)
+        return math.ceil(max(remaining, 0) * self.new_token_ratio)
+
     def _plan_decode(self) -> ScheduleBatch | None:
         if self.kv.free_slots() < len(self.running):
             self.drain()  # requests that finished in the batch in flight free their KV first
+        retracted = False
         while self.running and self.kv.free_slots() < len(self.running):
             self._retract(self.running.pop())
+            retracted = True
+        if retracted:
+            self.new_token_ratio = max(self.new_token_ratio, self._retract_ratio())
+        else:
+            decay = (self.init_ratio - self.min_ratio) / RATIO_DECAY_STEPS
+            self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - decay)
         if not self.running:
             return None
         slots = self.kv.allocate_decode(self.running)
         assert slots is not None  # free_slots() >= len(running) was just ensured
         return ScheduleBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running), slots)
+
+    def _retract_ratio(self) -> float:
+        """The ratio a retraction calls for: what the requests kept running have generated,
+        plus RETRACT_DECODE_STEPS more each, over what they may generate in all."""
+        if not self.running:
+            return self.init_ratio
+        decoded = sum(len(r.output_ids) for r in self.running)
+        most = sum(r.max_new_tokens for r in self.running)
+        return min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / max(most, 1))
 
     def _retract(self, req: Req) -> None:
         self.kv.release(req)
