@@ -70,7 +70,7 @@ class MemoryOccupation:
     def __init__(self, runner: Any, scheduler: Any, weights_cpu_backup: bool) -> None:
         self.runner = runner
         self.scheduler = scheduler
-        self.weights_cpu_backup = weights_cpu_backup
+        # Only where a release really gives the weights' memory back is a copy needed.
         self.weight_copy: PinnedWeightCopy | None = None
         if weights_cpu_backup and memory_regions.is_releasable(runner.device):
             self.weight_copy = PinnedWeightCopy(runner.model)
