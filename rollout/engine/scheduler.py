@@ -67,6 +67,7 @@ class Scheduler:
         c = self.options.schedule_conservativeness
         self.init_ratio = min(RATIO_INIT * c, 1.0)
         self.min_ratio = min(self.init_ratio * RATIO_MIN_FACTOR, 1.0)
+        self.ratio_decay = (self.init_ratio - self.min_ratio) / RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_ratio
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "retractions": 0}
 
@@ -209,8 +210,7 @@ class Scheduler:
         if retracted:
             self.new_token_ratio = max(self.new_token_ratio, self._retract_ratio())
         else:
-            decay = (self.init_ratio - self.min_ratio) / RATIO_DECAY_STEPS
-            self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - decay)
+            self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - self.ratio_decay)
         if not self.running:
             return None
         slots = self.kv.allocate_decode(self.running)
