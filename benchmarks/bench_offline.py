@@ -3,12 +3,16 @@
     python benchmarks/bench_offline.py --model qwen3-0.6b --workload nano
     python benchmarks/bench_offline.py --model /path/to/ckpt --workload grpo --num-seqs 8 --max-len 64
     python benchmarks/bench_offline.py --model qwen2.5-7b --workload fixed --num-seqs 64 --max-len 256 --compare hf
-    python benchmarks/bench_offline.py --model llama-3.1-8b --workload fixed --num-seqs 500 --input-len 4096 --output-len 2048
+    python benchmarks/bench_offline.py --model llama-3.1-8b --workload random --num-seqs 500 --input-len 4096 --output-len 2048
 
 `nano` is the nano-vllm workload (256 sequences, input and output lengths uniform in
 100..1024, `random.seed(0)`, prompts drawn before output lengths, token ids in [0, 10000),
 temperature 0.6, ignore_eos). `grpo` is 64 prompts x n=8 samples. `fixed` is num_seqs greedy
-requests of exactly max_len prompt and max_len output tokens (or --input-len / --output-len). A NAME of a real model (see
+requests of exactly max_len prompt and max_len output tokens (or --input-len / --output-len).
+`random` is SGLang's random dataset as its CI benchmarks it (`bench_serving --dataset-name
+random`, range ratio 0): prompt lengths uniform in [1, input_len] and output lengths uniform in
+[1, output_len] (`--range-ratio r` raises both lower bounds to r x the length), ignore_eos,
+greedy. A NAME of a real model (see
 REAL_CONFIGS) runs its real config with random weights (speed does not depend on them).
 `--compare hf` then runs transformers `generate` on the same model and prompts in this process
 (after the engine has shut down), in left-padded batches of --hf-batch-size, and prints the ratio.
@@ -57,16 +61,30 @@ def fixed_workload(num_seqs: int, input_len: int, output_len: int) -> tuple[list
     return prompts, params
 
 
+def random_workload(
+    num_seqs: int, input_len: int, output_len: int, range_ratio: float
+) -> tuple[list[list[int]], list[dict]]:
+    rng = random.Random(0)
+    prompts, params = [], []
+    for _ in range(num_seqs):
+        n_in = rng.randint(max(int(input_len * range_ratio), 1), input_len)
+        n_out = rng.randint(max(int(output_len * range_ratio), 1), output_len)
+        prompts.append([rng.randint(0, 10000) for _ in range(n_in)])
+        params.append({"temperature": 0, "ignore_eos": True, "max_new_tokens": n_out})
+    return prompts, params
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"checkpoint dir or one of {sorted(REAL_CONFIGS)}")
-    parser.add_argument("--workload", choices=["nano", "grpo", "fixed"], default="nano")
+    parser.add_argument("--workload", choices=["nano", "grpo", "fixed", "random"], default="nano")
     parser.add_argument("--num-seqs", type=int, help="sequences (nano, default 256) or prompts (grpo, default 64)")
     parser.add_argument(
         "--max-len", type=int, help="max input/output length (nano: 1024; grpo output: 512; fixed: 256)"
     )
     parser.add_argument("--input-len", type=int, help="fixed: prompt length (default: --max-len)")
     parser.add_argument("--output-len", type=int, help="fixed: output length (default: --max-len)")
+    parser.add_argument("--range-ratio", type=float, default=0.0, help="random: lower bound of the lengths, as a fraction")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default=None)
     parser.add_argument("--disable-radix-cache", action="store_true")
@@ -99,6 +117,11 @@ def main() -> None:
         prompts, params = nano_workload(args.num_seqs or 256, args.max_len or 1024)
     elif args.workload == "grpo":
         prompts, params = grpo_workload(args.num_seqs or 64, args.max_len or 512)
+    elif args.workload == "random":
+        length = args.max_len or 1024
+        prompts, params = random_workload(
+            args.num_seqs or 500, args.input_len or length, args.output_len or length, args.range_ratio
+        )
     else:
         length = args.max_len or 256
         prompts, params = fixed_workload(args.num_seqs or 64, args.input_len or length, args.output_len or length)
