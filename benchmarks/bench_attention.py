@@ -23,17 +23,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
-def time_ms(fn, iters: int = 50) -> float:
+def time_ms(fn, calls: int = 20, replays: int = 10) -> float:
+    """GPU time of one fn() call: `calls` calls captured in one CUDA graph (as the engine runs
+    decode), replayed `replays` times, so host-side launch costs do not count."""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(replays):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return start.elapsed_time(end) / (calls * replays)
 
 
 def reference(q, k_cache, v_cache, slots, lengths, scale):
@@ -81,14 +89,26 @@ def main() -> None:
     indices = req_to_token.reshape(-1).to(torch.int32)
     last = torch.ones(b, dtype=torch.int32)
     cache = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
-    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
     kernels = {}
-    for name, tensor_cores in (("flashinfer-tc", True), ("flashinfer-cuda-core", False)):
+    variants = (
+        ("flashinfer-tc", True, False),
+        ("flashinfer-tc-nosplit", True, True),
+        ("flashinfer-cuda-core", False, False),
+    )
+    for name, tensor_cores, no_split in variants:
         try:
+            # As the engine's graph wrappers: plan arrays at fixed device addresses (and a
+            # workspace of its own: the plans of all variants are alive at once here).
+            workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_tensor_cores=tensor_cores, backend="fa2"
-            )
-            wrapper.plan(indptr, indices, last, h, hkv, d, 1, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
+                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+                paged_kv_indptr_buffer=indptr.to(dev), paged_kv_indices_buffer=indices.to(dev),
+                paged_kv_last_page_len_buffer=last.to(dev), backend="fa2",
+            )  # fmt: skip
+            wrapper.plan(
+                indptr, indices, last, h, hkv, d, 1, sm_scale=scale, q_data_type=dtype,
+                kv_data_type=dtype, disable_split_kv=no_split,
+            )  # fmt: skip
             kernels[name] = (lambda w: lambda x: w.run(x, cache))(wrapper)
         except Exception as e:  # noqa: BLE001 - report which variant is unavailable
             print(json.dumps({"kernel": name, "error": str(e)[:200]}))

@@ -1,0 +1,141 @@
+"""Where a whole offline workload's time goes, step by step, in the scheduler's own process.
+
+    python benchmarks/profile_workload.py --model qwen3-0.6b --workload nano
+
+Runs a bench_offline workload through the scheduler directly (no tokenizer or detokenizer
+process) and times every step: its kind, its batch size, its wall time, and how long it waited
+for the device (`LaunchedStep.wait`). A step that hardly waits is bound by the host's work; one
+that waits most of its time is bound by the device. Prints totals per step kind and per decode
+batch-size bucket, then (with --cprofile, in a second run) the Python functions that took the
+host's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.bench_offline import grpo_workload, nano_workload, random_workload  # noqa: E402
+from rollout.config import EngineOptions  # noqa: E402
+from rollout.engine import launched_step  # noqa: E402
+from rollout.engine.messages import TokenizedRequest  # noqa: E402
+from rollout.engine.sampling_params import SamplingParams  # noqa: E402
+from rollout.engine.scheduler_process import SchedulerProcess  # noqa: E402
+from rollout.real_configs import write_config_checkpoint  # noqa: E402
+
+BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512)
+_waited = [0.0]
+
+
+def _timed_wait(self) -> None:
+    start = time.perf_counter()
+    if self.ready is not None:
+        self.ready.synchronize()
+    _waited[0] += time.perf_counter() - start
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run(sched, prompts, params) -> list[tuple[str, int, float, float]]:
+    vocab = sched.runner.vocab_size  # tiny test checkpoints have fewer ids than the workloads use
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        ids = [t % vocab for t in ids]
+        for j in range(p.pop("n", 1)):
+            sched.add_request(TokenizedRequest(f"r{i}-{j}", ids, SamplingParams(**p), seed=i * 8 + j))
+    steps = []
+    sync()
+    launch = sched.runner.launch
+    launched = []
+
+    def recording_launch(batch):
+        launched.append((batch.mode.value, len(batch.reqs)))
+        return launch(batch)
+
+    sched.runner.launch = recording_launch
+    while sched.has_work():
+        _waited[0] = 0.0
+        launched.clear()
+        start = time.perf_counter()
+        sched.step()
+        mode, size = launched[0] if launched else ("drain", 0)
+        steps.append((mode, size, time.perf_counter() - start, _waited[0]))
+    sched.runner.launch = launch
+    sync()
+    return steps
+
+
+def bucket(n: int) -> str:
+    lo = 0
+    for hi in BUCKETS:
+        if n <= hi:
+            return f"{lo + 1}-{hi}"
+        lo = hi
+    return f">{BUCKETS[-1]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--workload", choices=["nano", "grpo", "random"], default="nano")
+    parser.add_argument("--num-seqs", type=int)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=1024)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--disable-overlap-schedule", action="store_true")
+    parser.add_argument("--cprofile", action="store_true")
+    args = parser.parse_args()
+    dummy = not os.path.isdir(args.model)
+    model = write_config_checkpoint(args.model, tempfile.mkdtemp()) if dummy else args.model
+    options = EngineOptions.from_kwargs(
+        model_path=model, load_format="dummy" if dummy else "auto", dtype=args.dtype,
+        disable_overlap_schedule=args.disable_overlap_schedule,
+    )  # fmt: skip
+    sched = SchedulerProcess(options).scheduler
+    launched_step.LaunchedStep.wait = _timed_wait
+
+    def workload():
+        if args.workload == "nano":
+            return nano_workload(args.num_seqs or 256, 1024)
+        if args.workload == "grpo":
+            return grpo_workload(args.num_seqs or 64, 512)
+        return random_workload(args.num_seqs or 500, args.input_len, args.output_len, 0.0)
+
+    run(sched, [[1, 2, 3]], [{"max_new_tokens": 4}])  # warm-up
+    start = time.perf_counter()
+    steps = run(sched, *workload())
+    total = time.perf_counter() - start
+    print(f"{args.workload} on {args.model}: {total:.2f} s, {len(steps)} steps")
+    rows: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for mode, size, wall, waited in steps:
+        key = f"decode {bucket(size)}" if mode == "decode" else mode
+        rows[key][0] += 1
+        rows[key][1] += wall
+        rows[key][2] += waited
+    print(f"{'steps':<16}{'count':>7}{'seconds':>9}{'ms/step':>9}{'waited':>8}")
+    for key in sorted(rows, key=lambda k: (k.startswith("decode"), len(k), k)):
+        n, wall, waited = rows[key]
+        print(f"{key:<16}{n:>7}{wall:>9.2f}{wall / n * 1000:>9.2f}{waited / max(wall, 1e-9):>8.0%}")
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run(sched, *workload())
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
