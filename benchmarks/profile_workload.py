@@ -55,22 +55,53 @@ def run(sched, prompts, params) -> list[tuple[str, int, float, float]]:
             sched.add_request(TokenizedRequest(f"r{i}-{j}", ids, SamplingParams(**p), seed=i * 8 + j))
     steps = []
     sync()
-    launch = sched.runner.launch
+    runner = sched.runner
+    launch, run_model = runner.launch, runner._run_model
     launched = []
+    timing = torch.cuda.is_available()
+
+    def mark() -> torch.cuda.Event | None:
+        if not timing:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def recording_run_model(fb):
+        marks.append(mark())
+        out = run_model(fb)
+        marks.append(mark())
+        return out
 
     def recording_launch(batch):
         launched.append((batch.mode.value, len(batch.reqs)))
-        return launch(batch)
+        marks.append(mark())
+        step = launch(batch)
+        marks.append(mark())
+        return step
 
-    sched.runner.launch = recording_launch
+    runner.launch, runner._run_model = recording_launch, recording_run_model
     while sched.has_work():
         _waited[0] = 0.0
         launched.clear()
+        marks = []
         start = time.perf_counter()
         sched.step()
         mode, size = launched[0] if launched else ("drain", 0)
-        steps.append((mode, size, time.perf_counter() - start, _waited[0]))
-    sched.runner.launch = launch
+        steps.append([mode, size, time.perf_counter() - start, _waited[0], marks])
+    runner.launch, runner._run_model = launch, run_model
+    sync()
+    # Device time of each step: [launch start, model start, model end, launch end] events.
+    previous_end = None
+    for step in steps:
+        marks = step.pop()
+        if len(marks) != 4 or marks[0] is None:
+            step += [0.0, 0.0, 0.0]
+            continue
+        begin, model_start, model_end, end = marks
+        idle = previous_end.elapsed_time(begin) if previous_end is not None else 0.0
+        step += [model_start.elapsed_time(model_end), begin.elapsed_time(end), idle]
+        previous_end = end
     sync()
     return steps
 
@@ -116,16 +147,22 @@ def main() -> None:
     steps = run(sched, *workload())
     total = time.perf_counter() - start
     print(f"{args.workload} on {args.model}: {total:.2f} s, {len(steps)} steps")
-    rows: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    for mode, size, wall, waited in steps:
+    # Per kind: steps, host seconds, fraction of it waiting for the device, and device ms per
+    # step: the model forward, the whole launch (inputs, forward, sampling, copies), and the
+    # device's idle time between the previous launch's end and this one's start.
+    rows: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    for mode, size, *values in steps:
         key = f"decode {bucket(size)}" if mode == "decode" else mode
         rows[key][0] += 1
-        rows[key][1] += wall
-        rows[key][2] += waited
-    print(f"{'steps':<16}{'count':>7}{'seconds':>9}{'ms/step':>9}{'waited':>8}")
+        for i, value in enumerate(values, 1):
+            rows[key][i] += value
+    print(f"{'steps':<16}{'count':>7}{'seconds':>9}{'ms/step':>9}{'waited':>8}{'model':>8}{'launch':>8}{'idle':>8}")
     for key in sorted(rows, key=lambda k: (k.startswith("decode"), len(k), k)):
-        n, wall, waited = rows[key]
-        print(f"{key:<16}{n:>7}{wall:>9.2f}{wall / n * 1000:>9.2f}{waited / max(wall, 1e-9):>8.0%}")
+        n, wall, waited, model_ms, launch_ms, idle_ms = rows[key]
+        print(
+            f"{key:<16}{n:>7}{wall:>9.2f}{wall / n * 1000:>9.2f}{waited / max(wall, 1e-9):>8.0%}"
+            f"{model_ms / n:>8.2f}{launch_ms / n:>8.2f}{idle_ms / n:>8.2f}"
+        )
     if args.cprofile:
         import cProfile
         import pstats

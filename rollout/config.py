@@ -31,6 +31,11 @@ class ModelOptions:
         "attention implementation: auto (flashinfer on a GPU where it imports and the dtype is "
         "float16/bfloat16, else triton on a GPU, else torch), flashinfer, triton, torch",
     )
+    decode_attention_backend: str = _opt(
+        "auto",
+        "attention implementation of decode steps: auto (triton where attention_backend resolves "
+        "to flashinfer, else the same as attention_backend), flashinfer, triton, torch",
+    )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = _opt(
         256, "largest decode batch replayed from a CUDA graph (capped by max_running_requests)"
@@ -59,6 +64,11 @@ class ModelOptions:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.decode_attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"decode_attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.decode_attention_backend!r}"
             )
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")

@@ -61,11 +61,30 @@ def test_a_named_backend_that_cannot_run_here_says_why(packages):
     assert attention.resolve_attention_backend("torch", CPU, torch.float32) == "torch"
 
 
+def test_decode_runs_on_triton_under_flashinfer_by_default(packages):
+    packages("flashinfer", "triton")
+    assert attention.resolve_decode_backend("auto", "flashinfer", CUDA, torch.bfloat16) == "triton"
+    # Elsewhere decode stays on the attention backend itself.
+    assert attention.resolve_decode_backend("auto", "triton", CUDA, torch.float32) == "triton"
+    assert attention.resolve_decode_backend("auto", "torch", CPU, torch.float32) == "torch"
+    # Named explicitly, it is that backend, or a clear error.
+    assert attention.resolve_decode_backend("flashinfer", "flashinfer", CUDA, torch.bfloat16) == "flashinfer"
+    with pytest.raises(ValueError, match="decode_attention_backend='triton' cannot run here: it needs a CUDA"):
+        attention.resolve_decode_backend("triton", "torch", CPU, torch.float32)
+    with pytest.raises(ValueError, match="decode_attention_backend must be one of auto, torch"):
+        attention.resolve_decode_backend("fast", "torch", CPU, torch.float32)
+    packages("flashinfer")  # without triton, auto keeps decode on flashinfer
+    assert attention.resolve_decode_backend("auto", "flashinfer", CUDA, torch.bfloat16) == "flashinfer"
+
+
 def test_options_validate_backend_and_graph_size():
     assert ModelOptions().attention_backend == "auto"
     assert ModelOptions().disable_cuda_graph is False
     with pytest.raises(ValueError, match="attention_backend must be one of auto, flashinfer"):
         ModelOptions(attention_backend="flash")
+    assert ModelOptions().decode_attention_backend == "auto"
+    with pytest.raises(ValueError, match="decode_attention_backend must be one of auto, flashinfer"):
+        ModelOptions(decode_attention_backend="fi")
     with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 1, got 0"):
         ModelOptions(cuda_graph_max_bs=0)
     opts = EngineOptions.from_kwargs(model_path="m", disable_cuda_graph=True, cuda_graph_max_bs=64)

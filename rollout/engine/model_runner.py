@@ -16,6 +16,7 @@ from rollout.engine.attention import (
     AttentionShape,
     create_attention_backend,
     resolve_attention_backend,
+    resolve_decode_backend,
 )
 from rollout.engine.cuda_graph_runner import CudaGraphRunner
 from rollout.engine.forward_batch import ForwardBatch, ForwardMode
@@ -81,6 +82,9 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(
             mopts.attention_backend, self.device, self.dtype
         )
+        self.decode_attention_backend = resolve_decode_backend(
+            mopts.decode_attention_backend, self.attention_backend, self.device, self.dtype
+        )
         shape = AttentionShape(
             num_heads=self.hf_config.num_attention_heads,
             num_kv_heads=num_kv_heads,
@@ -91,7 +95,9 @@ class ModelRunner:
             max_batch_size=self.req_to_token.max_reqs,
             max_context_len=self.context_length,
         )
-        self.attn_backend = create_attention_backend(self.attention_backend, shape)
+        self.attn_backend = create_attention_backend(
+            self.attention_backend, shape, self.decode_attention_backend
+        )
         # The GPU backends come with the Triton kernels for norms, rotary, SiLU-and-mul and
         # sampling; attention_backend="torch" stays all torch: it is the reference path.
         self.fused_kernels = self.attention_backend != "torch"
@@ -104,8 +110,9 @@ class ModelRunner:
                 self.model, self.attn_backend, self.kv_pool, self.req_to_token.table, max_bs, self.device
             )
         logger.info(
-            "attention backend %s, decode CUDA graphs %s",
+            "attention backend %s (decode %s), decode CUDA graphs %s",
             self.attention_backend,
+            self.decode_attention_backend,
             self.graph_runner.sizes if self.graph_runner else "off",
         )
 

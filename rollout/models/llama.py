@@ -57,8 +57,8 @@ class DecoderAttention(FusedOps, nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate_qk(q, k, *rope, fused=self.fused)
-        # Without qk-norm the fused rotary leaves q a strided view of the qkv output.
-        out = self.attn(q.reshape(t, -1).contiguous(), k.reshape(t, -1), v.contiguous(), fb)
+        # q, k, v may be strided views of the qkv output: the backends read them in place.
+        out = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), fb)
         return self.o_proj(out)
 
 

@@ -15,6 +15,8 @@ from transformers import AutoConfig
 pytest.importorskip("triton")
 
 from rollout.engine.attention import AttentionShape, create_attention_backend  # noqa: E402
+from rollout.engine.attention.hybrid_backend import HybridAttentionBackend  # noqa: E402
+from rollout.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from rollout.engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from rollout.engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from rollout.engine.kv_pool import KVPool  # noqa: E402
@@ -133,10 +135,12 @@ def model_setup(request, device):
 
 
 def _run(
-    model_setup, device: str, backend_name: str, padded: int | None = None, fused: bool = False
+    model_setup, device: str, backend_name: str, padded: int | None = None, fused: bool = False,
+    decode: str | None = None,
 ) -> _Driver:
     model, cfg, prompts = model_setup
-    driver = _Driver(model, cfg, create_attention_backend(backend_name, _shape(cfg, device)), prompts, device)
+    backend = create_attention_backend(backend_name, _shape(cfg, device), decode)
+    driver = _Driver(model, cfg, backend, prompts, device)
     use_fused_kernels(model, fused)
     try:
         driver.prefill()
@@ -158,6 +162,8 @@ def runs(model_setup, device) -> dict[str, _Driver]:
         "triton-padded": _run(model_setup, device, "triton", padded=len(PROMPT_LENS) + 3),
         # What an engine on a GPU runs: the fused norm/rotary/SiLU kernels in every layer.
         "triton-fused": _run(model_setup, device, "triton", fused=True),
+        # decode_attention_backend: extend on one backend, decode on another, one KV pool.
+        "torch-then-triton": _run(model_setup, device, "torch", padded=len(PROMPT_LENS) + 3, decode="triton"),
     }
 
 
@@ -181,5 +187,17 @@ def test_fused_layer_kernels_equal_the_torch_layers(runs):
     # RMSNorm (with the residual add and Qwen3's per-head q/k norm read in place), rotary on
     # the qkv views and SiLU-and-mul, in every layer, against the torch path of the same model.
     want, got = runs["torch"], runs["triton-fused"]
+    assert got.outputs == want.outputs
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_on_another_backend_than_extend(runs):
+    # Extend through the torch backend, then graph-style padded decode through the Triton
+    # kernel over the KV the torch backend stored: the tokens of either backend alone.
+    want, got = runs["torch"], runs["torch-then-triton"]
+    assert isinstance(got.backend, HybridAttentionBackend)
+    assert isinstance(got.backend.extend, TorchAttentionBackend)
+    assert isinstance(got.backend.decode, TritonAttentionBackend)
+    assert got.backend.supports_cuda_graph
     assert got.outputs == want.outputs
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)

@@ -2,6 +2,8 @@
 
 A backend is registered with what it needs to run: a package beyond torch, a GPU, and the
 dtypes its kernels exist for. "auto" takes the first of AUTO_ORDER that can run here, else torch.
+Decode may run on another backend than extend (decode_attention_backend): "auto" there takes
+triton under flashinfer (DECODE_AUTO), else the attention backend itself.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ BACKENDS: dict[str, BackendEntry] = {
     "triton": BackendEntry(_triton, package="triton", gpu_only=True),
 }
 AUTO_ORDER = ("flashinfer", "triton")
+# Decode's "auto" by the attention backend: the Triton decode kernel matched or beat FlashInfer's
+# inside CUDA graphs on an H100 at every measured shape (batch 1 to 256, Qwen3-0.6B, Qwen2.5-7B
+# and Llama-3.1-8B heads; benchmarks/RESULTS.md), and plans nothing on the host per step.
+DECODE_AUTO = {"flashinfer": "triton"}
 
 
 @functools.cache
@@ -98,12 +104,42 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     return name
 
 
-def create_attention_backend(name: str, shape: AttentionShape | None = None) -> AttentionBackend:
-    """Builds backend `name` (already resolved, not "auto") for a model of `shape`; backends
-    that size nothing by the model (torch) need no shape."""
+def resolve_decode_backend(
+    name: str, attention_backend: str, device: torch.device, dtype: torch.dtype
+) -> str:
+    """The backend decode runs on for option value `name`, given the resolved attention
+    backend; raises ValueError, naming why, when an explicitly named one cannot run here."""
+    if name == "auto":
+        preferred = DECODE_AUTO.get(attention_backend)
+        if preferred is not None and unavailable_reason(preferred, device, dtype) is None:
+            return preferred
+        return attention_backend
     if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    return BACKENDS[name].create(shape)
+        raise ValueError(
+            f"decode_attention_backend must be one of auto, {', '.join(BACKENDS)}, got {name!r}"
+        )
+    reason = unavailable_reason(name, device, dtype)
+    if reason is not None:
+        raise ValueError(f"decode_attention_backend={name!r} cannot run here: {reason}")
+    return name
+
+
+def create_attention_backend(
+    name: str, shape: AttentionShape | None = None, decode: str | None = None
+) -> AttentionBackend:
+    """Builds backend `name` (already resolved, not "auto") for a model of `shape`, with decode
+    on backend `decode` when that differs; backends that size nothing by the model (torch) need
+    no shape."""
+    for backend in (name, decode or name):
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
+            )
+    if decode is None or decode == name:
+        return BACKENDS[name].create(shape)
+    from rollout.engine.attention.hybrid_backend import HybridAttentionBackend
+
+    return HybridAttentionBackend(BACKENDS[name].create(shape), BACKENDS[decode].create(shape))
 
 
 __all__ = [
@@ -112,4 +148,5 @@ __all__ = [
     "AttentionShape",
     "create_attention_backend",
     "resolve_attention_backend",
+    "resolve_decode_backend",
 ]

@@ -50,8 +50,9 @@ class AttentionBackend(ABC):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
     ) -> torch.Tensor:
-        """q: [T, H, D], k and v: [T, Hkv, D] for the new tokens. Stores k, v in the KV pool
-        for `layer.layer_id`, then returns the attention output [T, H, D]."""
+        """q: [T, H, D], k and v: [T, Hkv, D] for the new tokens, possibly strided views (the
+        head dim is contiguous). Stores k, v in the KV pool for `layer.layer_id`, then returns
+        the attention output [T, H, D]."""
 
 
 class Attention(nn.Module):
@@ -70,13 +71,7 @@ class Attention(nn.Module):
         self.scaling = scaling
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        # q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]
-        t = q.shape[0]
-        out = fb.attn_backend.forward(
-            q.view(t, self.num_heads, self.head_dim),
-            k.view(t, self.num_kv_heads, self.head_dim),
-            v.view(t, self.num_kv_heads, self.head_dim),
-            self,
-            fb,
-        )
-        return out.reshape(t, self.num_heads * self.head_dim)
+        # q: [T, H, D], k/v: [T, Hkv, D], any token and head strides (views into a fused qkv
+        # projection's output), the head dim contiguous -> [T, H*D]
+        out = fb.attn_backend.forward(q, k, v, self, fb)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

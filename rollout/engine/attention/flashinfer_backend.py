@@ -2,10 +2,11 @@
 
 KVPool keeps one [num_slots + 1, kv_heads, head_dim] tensor per layer for K and one for V, a
 token per slot; FlashInfer sees that as pages of one token (NHD layout, page_size 1), and a
-request's page list is its row of req_to_token. Decode uses the tensor-core decode kernels:
-they take any GQA group size (Qwen2.5-7B has 7 query heads per KV head, which the CUDA-core
-decode kernels reject) and are compiled from the same FA2 module as extend, so a machine
-JIT-compiles one module per dtype and head size instead of three.
+request's page list is its row of req_to_token. (With decode_attention_backend="auto", decode
+runs on the Triton kernel instead: see attention/__init__.py.) Decode here uses the tensor-core
+decode kernels: they take any GQA group size (Qwen2.5-7B has 7 query heads per KV head, which
+the CUDA-core decode kernels reject) and are compiled from the same FA2 module as extend, so a
+machine JIT-compiles one module per dtype and head size instead of three.
 """
 
 from __future__ import annotations
@@ -64,8 +65,26 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph_wrappers: dict[int, object] = {}
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._decode = self.decode_wrapper  # the wrapper planned for the next decode
+        self._plan_copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> after its last plan
 
     # ---- per-forward plans ----------------------------------------------------------------
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        """wrapper.plan(...), once the device has taken in that wrapper's previous plan.
+
+        FlashInfer stages a plan in one pinned host buffer per wrapper and copies it to the
+        device asynchronously. With a step in flight (overlap), re-planning a wrapper before that
+        copy ran would rewrite the plan of a step still queued. The wait is for the copy only,
+        queued right after the step before the one in flight, which the scheduler has already
+        waited for: in practice it returns at once."""
+        copied = self._plan_copied.get(id(wrapper))
+        if copied is not None:
+            copied.synchronize()
+        wrapper.plan(*args, **kwargs)
+        if self.shape.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._plan_copied[id(wrapper)] = event
+
     def _plan_args(self) -> dict:
         s = self.shape
         return {
@@ -83,14 +102,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         last_page_len = self._ones[: fb.batch_size]
         head_dim = self.shape.head_dim
         if fb.mode is ForwardMode.DECODE:
-            self.decode_wrapper.plan(
-                indptr, indices, last_page_len, head_dim=head_dim, **self._plan_args()
-            )
+            self._plan(
+                self.decode_wrapper,
+                indptr, indices, last_page_len, head_dim=head_dim, **self._plan_args(),
+            )  # fmt: skip
             self._decode = self.decode_wrapper
         else:
             # Causal masks in FlashInfer align the queries with the last KV positions: exactly a
             # chunk of new tokens after its cached prefix.
-            self.extend_wrapper.plan(
+            self._plan(
+                self.extend_wrapper,
                 host_indptr(fb.extend_lens_cpu),
                 indptr,
                 indices,
@@ -110,7 +131,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         indices = (
             pad_slots if fb is None else torch.cat([kv_indices(fb, int(indptr[real])), pad_slots])
         )
-        wrapper.plan(
+        self._plan(
+            wrapper,
             indptr,
             indices,
             self._ones[:padded_batch_size],

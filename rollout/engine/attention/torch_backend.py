@@ -40,7 +40,7 @@ class TorchAttentionBackend(AttentionBackend):
         b, group = q.shape[0], layer.num_heads // layer.num_kv_heads
         keys = k_cache[self.slots].float()  # [B, S, Hkv, D]
         values = v_cache[self.slots].float()
-        query = q.float().view(b, layer.num_kv_heads, group, layer.head_dim)
+        query = q.float().reshape(b, layer.num_kv_heads, group, layer.head_dim)
         scores = torch.einsum("bhgd,bshd->bhgs", query, keys) * layer.scaling
         scores = scores.masked_fill(~self.valid[:, None, None, :], float("-inf"))
         out = torch.einsum("bhgs,bshd->bhgd", scores.softmax(dim=-1), values)
