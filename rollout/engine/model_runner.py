@@ -139,21 +139,26 @@ class ModelRunner:
         for its next extend_lens[i] tokens, already written to its req->token row. A decode reads
         each request's input token from `last_token`, so the previous step may still be running.
         Requests with sampling penalties must have all their sampled tokens in output_ids."""
-        fb, hidden_rows, rows = self._build(batch)
+        decode = batch.mode is ForwardMode.DECODE
+        fb, hidden_rows, rows = self._build_decode(batch) if decode else self._build(batch)
         hidden = self._run_model(fb)
         step = LaunchedStep(batch, rows, [ReqStepOutput() for _ in batch.reqs])
         for req, start, out in zip(batch.reqs, batch.starts, step.outs):
+            if decode:
+                break
             if req.wants_prompt_logprobs() and start == 0 and req.req.logprob_start_len == 0:
                 # The first token has no logprob: nothing precedes it.
                 out.input_token_logprobs.append((None, req.ids[0]))
                 out.input_top_logprobs.append(None)
                 out.input_token_ids_logprobs.append(None)
         if rows:
-            # A decode samples every row in order: no gather.
+            # A decode samples every row in order: no gather, and the rows' req->token rows
+            # are the batch's own.
             n = len(hidden_rows)
             every_row = n == hidden.shape[0] and hidden_rows[-1] == n - 1
             selected = hidden if every_row else hidden[self._to_device(hidden_rows)]
-            self._queue_outputs(batch.reqs, rows, selected, step.tensors)
+            table_rows = fb.req_pool_indices if decode else None
+            self._queue_outputs(batch.reqs, rows, selected, step.tensors, table_rows)
         step.copy_to_host(self.device)
         return step
 
@@ -167,9 +172,11 @@ class ModelRunner:
         rows: list[LogitRow],
         selected: torch.Tensor,
         out: dict[str, torch.Tensor],
+        table_rows: torch.Tensor | None = None,
     ) -> None:
         """Queues the device work of the rows' outputs, named as in LaunchedStep, into `out`.
-        selected: [R, hidden] final-norm hidden states of `rows`."""
+        selected: [R, hidden] final-norm hidden states of `rows`; table_rows: [R] the rows'
+        req->token rows on the device, when every row samples (else built here)."""
         pool = [k for k, row in enumerate(rows) if row.kind == "pool"]
         if pool:
             pooled = selected[self._to_device(pool)]
@@ -188,7 +195,7 @@ class ModelRunner:
         sample_rows = [k for k, row in enumerate(rows) if row.kind == "sample"]
         tokens = None
         if sample_rows:
-            tokens = self._sample(reqs, [rows[k] for k in sample_rows], sample_rows, logits)
+            tokens = self._sample(reqs, [rows[k] for k in sample_rows], sample_rows, logits, table_rows)
             out["tokens"] = tokens
             hidden = [k for k in sample_rows if reqs[rows[k].req].req.return_hidden_states]
             if hidden:
@@ -197,10 +204,12 @@ class ModelRunner:
             self._queue_logprobs(reqs, rows, lp_rows, sample_rows, logprobs, tokens, out)
 
     def _sample(
-        self, reqs: list[Req], rows: list[LogitRow], at: list[int], logits: torch.Tensor
-    ) -> torch.Tensor:
+        self, reqs: list[Req], rows: list[LogitRow], at: list[int], logits: torch.Tensor,
+        table_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Samples the `rows` (logits rows `at`) and stores each token as its request's
-        `last_token`. Returns [S] int64 token ids on the device."""
+        `last_token` (at `table_rows`, the requests' req->token rows, when given on the
+        device). Returns [S] int64 token ids on the device."""
         sreqs = [reqs[row.req] for row in rows]
         # Tokens generated before this one: those on the host plus any still on the device.
         steps = [row.target - len(r.prompt_ids) for row, r in zip(rows, sreqs)]
@@ -223,7 +232,9 @@ class ModelRunner:
         # vocabulary, H100: 0.28 ms for 1 row, 0.41 ms for 256; the torch ops ~3.4 ms at 256).
         kernel = self.fused_kernels and len(at) >= KERNEL_SAMPLING_MIN_ROWS
         tokens = sample(logits if every else logits[self._to_device(at)], sampling, kernel)
-        self.last_token[self._to_device([r.row for r in sreqs])] = tokens
+        if table_rows is None:
+            table_rows = self._to_device([r.row for r in sreqs])
+        self.last_token[table_rows] = tokens
         return tokens
 
     def _queue_logprobs(
@@ -266,6 +277,31 @@ class ModelRunner:
         normalize = torch.nn.functional.normalize
         rows = [normalize(v, dim=-1) if r.req.normalize else v for v, r in zip(pooled, reqs)]
         return torch.stack(rows)
+
+    def _build_decode(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int], list[LogitRow]]:
+        """`_build` for a decode: one token per request, each sampled; the per-request ints go
+        to the device in one copy (this runs every step, for every running request)."""
+        starts = batch.starts
+        seq_lens = [start + 1 for start in starts]
+        host = torch.tensor([[r.row for r in batch.reqs], starts, seq_lens], dtype=torch.int64)
+        req_pool_indices, positions, seq_lens_dev = host.to(self.device, non_blocking=True)
+        fb = ForwardBatch(
+            mode=batch.mode,
+            # The input tokens were sampled on the device and may not be on the host yet.
+            input_ids=self.last_token[req_pool_indices],
+            positions=positions,
+            out_cache_loc=batch.out_cache_loc.to(self.device, non_blocking=True),
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens_dev,
+            extend_lens=torch.ones_like(seq_lens_dev),
+            req_to_token=self.req_to_token.table,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            seq_lens_cpu=seq_lens,
+            extend_lens_cpu=list(batch.extend_lens),
+        )
+        rows = [LogitRow(i, "sample", n) for i, n in enumerate(seq_lens)]
+        return fb, list(range(len(seq_lens))), rows
 
     def _build(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int], list[LogitRow]]:
         """Tensors for the forward, plus which hidden rows need outputs and why."""
