@@ -1,0 +1,89 @@
+"""A small decode batch's linear layers alone: torch's GEMM against the skinny GEMM kernel.
+
+    python benchmarks/bench_gemv.py --model qwen2.5-7b --rows 1
+
+For each projection of the model (q/k/v, o, gate/up, down, LM head), in bfloat16, times
+torch.nn.functional.linear and rollout_kernels.skinny_gemm over a few tile configurations,
+inside CUDA graphs (as decode runs), and prints one JSON line per projection: microseconds
+and the weight bytes read per second of each, the best configuration, and its largest error
+against torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.bench_attention import time_ms  # noqa: E402
+from rollout.real_configs import REAL_CONFIGS  # noqa: E402
+
+CONFIGS = [*itertools.product((16, 32, 64), (256, 512), (4,), (3, 5)), (32, 512, 8, 4), (64, 512, 8, 4)]
+
+
+def projections(cfg: dict) -> list[tuple[str, int, int, bool]]:
+    """(name, out features, in features, bias) of one layer's linear layers and the LM head."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv = cfg.get("num_key_value_heads", heads)
+    qkv_bias = cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias"))
+    inter = cfg["intermediate_size"]
+    return [
+        ("qkv", (heads + 2 * kv) * head_dim, hidden, qkv_bias),
+        ("o", hidden, heads * head_dim, False),
+        ("gate_up", 2 * inter, hidden, False),
+        ("down", hidden, inter, False),
+        ("lm_head", cfg["vocab_size"], hidden, False),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(REAL_CONFIGS))
+    parser.add_argument("--rows", type=int, default=1)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for name, n, k, has_bias in projections(REAL_CONFIGS[args.model]):
+        row = {"model": args.model, "rows": args.rows, "proj": name, "N": n, "K": k}
+        row.update(bench_projection(n, k, has_bias, args.rows))
+        print(json.dumps(row))
+
+
+def bench_projection(n: int, k: int, has_bias: bool, rows: int) -> dict:
+    from rollout_kernels.skinny_gemm import skinny_gemm
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    w = torch.randn(n, k, dtype=dtype, device=dev) / k**0.5
+    b = torch.randn(n, dtype=dtype, device=dev) if has_bias else None
+    x = torch.randn(rows, k, dtype=dtype, device=dev)
+    nbytes = w.numel() * w.element_size()
+    want = torch.nn.functional.linear(x, w, b).float()
+    torch_ms = time_ms(lambda: torch.nn.functional.linear(x, w, b))
+    row = {"torch_us": round(torch_ms * 1000, 1), "torch_TB/s": round(nbytes / torch_ms / 1e9, 3)}
+    best = None
+    for bn, bk, warps, stages in CONFIGS:
+        def run(bn=bn, bk=bk, warps=warps, stages=stages):
+            return skinny_gemm(x, w, b, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+
+        try:
+            ms = time_ms(run, calls=10, replays=5)
+        except Exception:  # noqa: BLE001 - a tile that does not fit is skipped
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, (bn, bk, warps, stages), (run().float() - want).abs().max().item())
+    if best is not None:
+        ms, config, err = best
+        row.update({
+            "skinny_us": round(ms * 1000, 1), "skinny_TB/s": round(nbytes / ms / 1e9, 3),
+            "config": config, "max_err": round(err, 4),
+        })  # fmt: skip
+    return row
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""y = x @ W^T (+ bias) for a few rows of x: the projections of a small decode batch.
+
+With one to a few tokens a linear layer only streams its weight, so its time is the weight's
+bytes over the memory bandwidth reached. A library GEMM picks tiles made for many rows: for
+Qwen2.5-7B's q/k/v (3584 -> 4608) and o (3584 -> 3584) projections at batch 1 it starts fewer
+programs than the GPU has SMs. Here each program owns BLOCK_N output features over the whole K
+and every program streams its rows of W once; the rows of x (at most BLOCK_M) ride along.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rollout_kernels.precision import dot_precision
+
+MAX_ROWS = 16  # x rows one launch takes; more rows are a job for a real GEMM
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    rmask = rows < M
+    cmask = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = k0 + ks < K
+        w_t = tl.load(
+            w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None],
+            mask=kmask[:, None] & cmask[None, :], other=0.0,
+        )  # [BLOCK_K, BLOCK_N]: W's rows as columns
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :],
+            mask=rmask[:, None] & kmask[None, :], other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        acc += tl.dot(x, w_t, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + rows[:, None] * stride_ym + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=rmask[:, None] & cmask[None, :],
+    )
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block_n: int = 32,
+    block_k: int = 256,
+    num_warps: int = 4,
+    num_stages: int = 4,
+) -> torch.Tensor:
+    """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None, all one dtype;
+    the last dim of x and weight contiguous. Returns [M, N] = x @ weight.T + bias in x's dtype,
+    accumulated in float32."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(
+            f"skinny_gemm needs x [M, K], weight [N, K], bias [N]; got x {tuple(x.shape)}, "
+            f"weight {tuple(weight.shape)}, bias {None if bias is None else tuple(bias.shape)}"
+        )
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_gemm takes at most {MAX_ROWS} rows, got {m}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("skinny_gemm needs the last dim of x and weight contiguous")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, y,
+        m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return y

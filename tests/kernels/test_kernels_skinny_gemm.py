@@ -1,0 +1,49 @@
+"""The skinny GEMM of small decode batches against torch's linear, on random inputs.
+
+bfloat16 runs on a GPU only: Triton's interpreter multiplies bfloat16 tiles wrongly (tl.dot),
+so on CPU the kernel is checked in float32, as the attention kernels are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rollout_kernels.skinny_gemm import MAX_ROWS, skinny_gemm  # noqa: E402
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_gemm_matches_linear(device, dtype, rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    # N and K not multiples of the blocks: the edges are masked.
+    n, k = 72, 300
+    x = torch.randn(rows, k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    got = skinny_gemm(x, w, b, block_n=32, block_k=128)
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_skinny_gemm_reads_strided_rows(device):
+    # x may be a row-strided view (e.g. every other row of a larger activation).
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(4, 64, generator=gen).to(device)
+    w = torch.randn(48, 32, generator=gen).to(device)
+    x = big[::2, :32]
+    torch.testing.assert_close(skinny_gemm(x, w, block_n=16, block_k=32), x @ w.T, atol=1e-5, rtol=1e-5)
+
+
+def test_skinny_gemm_rejects_what_it_cannot_do(device):
+    w = torch.zeros(8, 16, device=device)
+    with pytest.raises(ValueError, match="weight \\[N, K\\]"):
+        skinny_gemm(torch.zeros(1, 15, device=device), w)
+    with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
+        skinny_gemm(torch.zeros(MAX_ROWS + 1, 16, device=device), w)
