@@ -26,7 +26,8 @@ def _merge_kernel(
     # An empty part has lse = -inf and weight 0.
     weight = tl.where(smask & (lse > float("-inf")), tl.exp(lse - top), 0.0)  # [S]
     offs = b * stride_pb + h * stride_ph + parts[:, None] * stride_ps + dims[None, :]
-    mask = smask[:, None] & (dims[None, :] < HEAD_DIM)
+    # An empty part need not have been written: it is not read.
+    mask = (smask & (lse > float("-inf")))[:, None] & (dims[None, :] < HEAD_DIM)
     part = tl.load(part_ptr + offs, mask=mask, other=0.0)  # [S, D]
     total = tl.sum(weight, axis=0)
     # A row with no keys at all (CUDA-graph padding) has total 0: it gets zeros, not NaN.
@@ -39,8 +40,9 @@ def _merge_kernel(
 
 
 def merge_attention_parts(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """parts: [B, H, S, D] float32, each part's softmax-normalised output (zeros where empty);
-    lse: [B, H, S] float32, natural-log sum of exp(scores) of each part (-inf where empty);
+    """parts: [B, H, S, D] float32, each part's softmax-normalised output (anything where
+    empty: not read); lse: [B, H, S] float32, natural-log sum of exp(scores) of each part
+    (-inf where empty);
     out: [B, H, D] (head dim contiguous), written with the merged result in its own dtype;
     zeros where every part is empty."""
     b, h, s, d = parts.shape

@@ -1,9 +1,11 @@
 """Paged decode attention: one new query token per request over its whole KV history.
 
-The keys of a request are cut into `num_splits` pieces, each attended by its own program
-(split-KV), so a few long sequences still fill the GPU; `merge_attention_parts` then combines
-the pieces. One program serves all query heads that share a KV head (GQA), so each K/V row is
-read once per group rather than once per query head.
+The keys of a request are cut into pieces, each attended by its own program (split-KV), so a
+few long sequences still fill the GPU; `merge_attention_parts` then combines the pieces. How a
+request is cut depends on its own length only (one piece per MIN_KEYS_PER_SPLIT keys, at most
+MAX_SPLITS): its output is the same bit for bit whatever else is in the batch and whether the
+step replays a CUDA graph or runs eagerly. One program serves all query heads that share a KV
+head (GQA), so each K/V row is read once per group rather than once per query head.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_ct, stride_ch, stride_rt,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MIN_KEYS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -35,7 +38,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     row = tl.load(req_pool_ptr + b).to(tl.int64)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    # This request's own cut; programs past it find no keys and report an empty part.
+    pieces = tl.minimum(tl.maximum(tl.cdiv(seq_len, MIN_KEYS), 1), NUM_SPLITS)
+    split_len = tl.cdiv(seq_len, pieces)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -70,25 +75,21 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
-    # An empty split (seq_len < NUM_SPLITS) reports lse = -inf: the merge gives it no weight.
+    # An empty split reports lse = -inf and writes no part: the merge gives it no weight and
+    # does not read it.
     nonempty = denom > 0
     out = acc / tl.where(nonempty, denom, 1.0)[:, None]
     lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, denom, 1.0)), float("-inf"))
     part_offs = b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + dims[None, :]
-    tl.store(part_ptr + part_offs, out, mask=hmask[:, None] & dmask[None, :])
+    tl.store(part_ptr + part_offs, out, mask=(hmask & nonempty)[:, None] & dmask[None, :])
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
 
 
-def choose_num_splits(
-    max_seq_len: int, batch_size: int, kv_heads: int, num_sms: int | None = None
-) -> int:
-    """Splits for a decode batch whose longest sequence has `max_seq_len` keys (host ints):
-    enough for long sequences to spread over the GPU, no more than keeps every SM busy
-    (about two programs per SM) when `num_sms` is known."""
-    splits = max(1, min(MAX_SPLITS, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
-    if num_sms is not None:
-        splits = min(splits, max(1, triton.cdiv(2 * num_sms, batch_size * kv_heads)))
-    return splits
+def choose_num_splits(max_seq_len: int) -> int:
+    """The `num_splits` that cuts every request of a batch whose longest sequence has
+    `max_seq_len` keys its own way (one piece per MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS).
+    A CUDA graph, which may replay for any length, uses choose_num_splits(max context)."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
 
 
 def decode_attention(
@@ -108,7 +109,8 @@ def decode_attention(
     (the newest token's K/V already stored). Returns out [B, H, D] in q's dtype; a request
     with no keys (a padding row) gets zeros.
 
-    `num_splits` only changes how the work is cut, never the result beyond float rounding; a
+    `num_splits` bounds the pieces a request's keys are cut into: from choose_num_splits(its
+    length) on, the result is the same bit for bit; below, it differs by float rounding only. A
     fixed value keeps the launch shape fixed (CUDA graphs), whatever the sequence lengths."""
     b, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -139,6 +141,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, HEAD_DIM=dim, DOT_PRECISION=dot_precision(q.dtype), NUM_SPLITS=num_splits,
+        MIN_KEYS=MIN_KEYS_PER_SPLIT,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
     )
     merge_attention_parts(parts, lse, out)

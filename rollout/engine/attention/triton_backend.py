@@ -30,9 +30,6 @@ class TritonAttentionBackend(AttentionBackend):
                 "attention_backend='torch' there (or TRITON_INTERPRET=1 to interpret the kernels, slowly)"
             )
         self.shape = shape
-        self.num_sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
-        )
         # What the next forward's kernels read: fb's own tensors, or the graph buffers below.
         self.seq_lens: torch.Tensor | None = None  # [B] int64
         self.req_rows: torch.Tensor | None = None  # [B] int64 rows of req_to_token
@@ -43,9 +40,7 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, fb: ForwardBatch) -> None:
         self.seq_lens, self.req_rows = fb.seq_lens, fb.req_pool_indices
         if fb.mode is ForwardMode.DECODE:
-            self.num_splits = choose_num_splits(
-                max(fb.seq_lens_cpu), fb.batch_size, self.shape.num_kv_heads, self.num_sms
-            )
+            self.num_splits = choose_num_splits(max(fb.seq_lens_cpu))
             return
         self.extend_starts = torch.cumsum(fb.extend_lens, 0) - fb.extend_lens  # [B], on the device
         self.max_extend_len = max(fb.extend_lens_cpu)
@@ -68,10 +63,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph_req_rows[real:padded_batch_size].zero_()
         self.seq_lens = self._graph_seq_lens[:padded_batch_size]
         self.req_rows = self._graph_req_rows[:padded_batch_size]
-        # Fixed per captured size: the graph replays whatever launch shape it captured.
-        self.num_splits = choose_num_splits(
-            self.shape.max_context_len, padded_batch_size, self.shape.num_kv_heads, self.num_sms
-        )
+        # Fixed: the graph replays the launch shape it captured, for any length (each request
+        # is still cut by its own length, as in an eager step).
+        self.num_splits = choose_num_splits(self.shape.max_context_len)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
