@@ -223,3 +223,47 @@ def test_noise_is_the_same_on_cuda_and_cpu():
     cpu = gumbel_noise(seeds, steps, 152_000)
     cuda = gumbel_noise(seeds.cuda(), steps.cuda(), 152_000).cpu()
     torch.testing.assert_close(cuda, cpu)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_build_holds_each_rows_values(device):
+    # Greedy rows at temperature 1, top_k V when off (or above V), seeds mod 2^64 as int64, and
+    # (rows, ids) pairs only for the rows that penalize or ban.
+    params = [
+        SP(temperature=0),
+        SP(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1),
+        SP(top_k=10**30, repetition_penalty=1.2),
+        SP(frequency_penalty=0.5, presence_penalty=-1.0, min_new_tokens=4, stop_token_ids=[7, 12]),
+    ]
+    batch = make_batch(
+        params, seeds=[0, -1, 2**64 + 5, 2**70], outputs=[[1], [], [2, 2], [3, 4]], device=device
+    )
+    expected = {
+        "temperatures": ([[1.0], [0.5], [1.0], [1.0]], torch.float32),
+        "greedy": ([True, False, False, False], torch.bool),
+        "top_ks": ([10, 3, 10, 10], torch.int64),
+        "top_ps": ([1.0, 0.9, 1.0, 1.0], torch.float32),
+        "min_ps": ([0.0, 0.1, 0.0, 0.0], torch.float32),
+        "seeds": ([0, -1, 5, 0], torch.int64),
+        "steps": ([1, 0, 2, 2], torch.int64),
+        "repetition_penalties": ([1.0, 1.0, 1.2, 1.0], torch.float32),
+        "frequency_penalties": ([[0.0], [0.0], [0.0], [0.5]], torch.float32),
+        "presence_penalties": ([[0.0], [0.0], [0.0], [-1.0]], torch.float32),
+    }
+    for name, (values, dtype) in expected.items():
+        got = getattr(batch, name)
+        assert got.device.type == device and got.dtype == dtype, name
+        assert torch.equal(got.cpu(), torch.tensor(values, dtype=dtype)), name
+    pairs = {
+        "seen": [[2, 2, 2], [0, 2, 2]],
+        "generated": [[3, 3], [3, 4]],
+        "banned": [[3, 3], [EOS, 7]],
+    }
+    for name, (rows, ids) in pairs.items():
+        got_rows, got_ids = getattr(batch, name)
+        assert got_rows.tolist() == rows and got_ids.tolist() == ids, name
+    assert (batch.all_greedy, batch.any_greedy, batch.top_k_max) == (False, True, 3)
+    assert batch.use_top_p and batch.use_min_p
+    plain = make_batch([SP(), SP(temperature=0.7)], device=device)
+    assert plain.seen is None and plain.generated is None and plain.banned is None
+    assert (plain.top_k_max, plain.use_top_p, plain.use_min_p) == (0, False, False)

@@ -111,20 +111,23 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._free_rows.append(row)
 
+    # NOTE: the copies below are non-blocking from pageable memory: CUDA stages the source before
+    # the call returns (so the host may reuse it at once) and does not wait for the device.
+    # Pinning the source first would cost more than the copy (pin_memory checks is_pinned).
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """table[row, start : start + len(slots)] = slots (a host tensor), copied without a sync."""
         self.host[row, start : start + slots.numel()] = slots
         if self.host is not self.table:
-            src = slots.to(torch.int64).pin_memory()
-            self.table[row, start : start + slots.numel()].copy_(src, non_blocking=True)
+            self.table[row, start : start + slots.numel()].copy_(slots, non_blocking=True)
 
     def write_many(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
-        """table[rows[i], cols[i]] = slots[i]; the three are host tensors, copied without a sync."""
+        """table[rows[i], cols[i]] = slots[i]; the three are host tensors, copied without a sync
+        (in one host-to-device copy)."""
         self.host[rows, cols] = slots
         if self.host is not self.table:
-            index = torch.stack([rows, cols]).pin_memory().to(self.table.device, non_blocking=True)
-            values = slots.pin_memory().to(self.table.device, non_blocking=True)
-            self.table[index[0], index[1]] = values
+            packed = torch.stack([rows, cols, slots.to(torch.int64)])  # [3, N]
+            packed = packed.to(self.table.device, non_blocking=True)
+            self.table[packed[0], packed[1]] = packed[2]
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of row `row`, positions start .. end: a view of the host copy."""

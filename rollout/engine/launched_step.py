@@ -77,6 +77,12 @@ class LaunchedStep:
         """Waits for the device, then returns one output per request of the batch, in order."""
         self.wait()
         host = {name: t.tolist() for name, t in self.tensors.items()}
+        if host.keys() == {"tokens"} and len(host["tokens"]) == len(self.rows):
+            # Only sampled tokens, one per row (as in most decodes): no logprobs, hidden
+            # states, prompt rows or embeddings to hand out.
+            for row, token in zip(self.rows, host["tokens"]):
+                self.outs[row.req].next_token = token
+            return self.outs
         tokens, pooled, hidden = (iter(host.get(n, ())) for n in ("tokens", "pooled", "hidden"))
         chosen, id_logprobs = iter(host.get("chosen", ())), iter(host.get("id_logprobs", ()))
         top_values, top_ids = iter(host.get("top_values", ())), iter(host.get("top_ids", ()))

@@ -31,6 +31,14 @@ class Req:
     reported: bool = False
     input_logprobs_done: bool = False
     pending: dict[str, list] = field(default_factory=dict)
+    # Read once from the params (they never change): the scheduler asks every step.
+    penalizes: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.req.params
+        self.penalizes = (
+            p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+        )
 
     @property
     def rid(self) -> str:
@@ -66,8 +74,7 @@ class Req:
     def penalizes_output(self) -> bool:
         """Does sampling read the tokens generated so far (repetition, frequency or presence
         penalties)? Then each token must be on the host before the next one is sampled."""
-        p = self.req.params
-        return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+        return self.penalizes
 
     def add_pending(self, key: str, value: Any) -> None:
         self.pending.setdefault(key, []).append(value)
@@ -91,9 +98,11 @@ class ScheduleBatch:
         self.starts = [r.kv_len for r in self.reqs]
         # A decode always samples (its input token may still be on the device); an extend
         # samples once it reaches the end of the request's known tokens.
-        decode = self.mode is ForwardMode.DECODE
+        if self.mode is ForwardMode.DECODE:
+            self.sampling = [True] * len(self.reqs)
+            return
         self.sampling = [
-            decode or start + ext == len(r.ids)
+            start + ext == len(r.ids)
             for r, start, ext in zip(self.reqs, self.starts, self.extend_lens)
         ]
 

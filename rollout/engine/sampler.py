@@ -72,53 +72,117 @@ class SamplingBatch:
         """All lists are per request, in row order. Seeds are any Python ints (taken mod 2^64).
         `steps`: tokens each request has generated so far, when output_ids lag behind (they must
         not for a request with penalties); defaults to len(output_ids[i]).
-        Copies to `device` are non-blocking: building never waits for the device."""
-        V = vocab_size
+        All goes to `device` in one non-blocking copy: building never waits for the device."""
+        n, V = len(params), vocab_size
         steps = [len(ids) for ids in output_ids] if steps is None else steps
-
-        def put(values: list | np.ndarray, dtype: torch.dtype) -> Tensor:
-            return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        def pairs(rows: list[int], id_lists: list[list[int]]) -> tuple[Tensor, Tensor] | None:
-            lens = [len(ids) for ids in id_lists]
-            if sum(lens) == 0:
-                return None
-            # np.fromiter is ~4x faster than torch.tensor on a long flat Python list.
-            ids = np.fromiter(chain.from_iterable(id_lists), dtype=np.int64, count=sum(lens))
-            row_ids = np.repeat(np.asarray(rows, dtype=np.int64), lens)
-            return put(row_ids, torch.int64), put(ids, torch.int64)
-
-        greedy = [p.is_greedy for p in params]
-        top_ks = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
-        rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        gen = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
-        ban = [i for i, p in enumerate(params) if steps[i] < p.min_new_tokens]
-        ban_ids = [
-            sorted({t for t in eos_token_ids + params[i].stop_token_ids if t < V}) for i in ban
-        ]
-        return cls(
-            temperatures=put(
-                [[1.0 if g else p.temperature] for p, g in zip(params, greedy, strict=True)],
-                torch.float32,
-            ),
-            greedy=put(greedy, torch.bool),
-            top_ks=put(top_ks, torch.int64),
-            top_ps=put([p.top_p for p in params], torch.float32),
-            min_ps=put([p.min_p for p in params], torch.float32),
-            seeds=put([_i64(s) for s in seeds], torch.int64),
-            steps=put(steps, torch.int64),
-            repetition_penalties=put([p.repetition_penalty for p in params], torch.float32),
-            frequency_penalties=put([[p.frequency_penalty] for p in params], torch.float32),
-            presence_penalties=put([[p.presence_penalty] for p in params], torch.float32),
-            seen=pairs(rep, [prompt_ids[i] + output_ids[i] for i in rep]),
-            generated=pairs(gen, [output_ids[i] for i in gen]),
-            banned=pairs(ban, ban_ids),
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
-            top_k_max=max((k for k in top_ks if k < V), default=0),
-            use_top_p=any(p.top_p < 1 for p in params),
-            use_min_p=any(p.min_p > 0 for p in params),
+        # [6, B] float64 as the requests gave them: flags are read before the float32 cast.
+        values = np.array(
+            [
+                [p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+            ],
+            dtype=np.float64,
         )
+        temperature, _, _, repetition, frequency, presence = values
+        # Which of top_p, min_p and the penalties some row uses (moves from its neutral value).
+        used = (values != _NEUTRAL).any(axis=1)
+        # top_k may be any int: every one above V is as off as V + 1.
+        top_k = np.array([p.top_k if p.top_k <= V else V + 1 for p in params], dtype=np.int64)
+        greedy = (temperature == 0) | (top_k == 1)
+        num_greedy = int(np.count_nonzero(greedy))
+        top_ks = np.where((top_k > 0) & (top_k < V), top_k, V)
+        ints = np.empty((3, n), dtype=np.int64)
+        ints[0] = top_ks
+        ints[1].view(np.uint64)[:] = [s & _MASK64 for s in seeds]
+        ints[2] = steps
+        floats = values.astype(np.float32)
+        floats[0, greedy] = 1.0
+        host = {"ints": ints, "floats": floats, "greedy": greedy}
+        # Penalties and bans are rare: their (rows, ids) pairs are built only when a row has one.
+        if used[3]:
+            rep = np.flatnonzero(repetition != 1.0).tolist()
+            host["seen"] = _pairs(rep, [prompt_ids[i] + output_ids[i] for i in rep])
+        if used[4] or used[5]:
+            gen = np.flatnonzero((frequency != 0) | (presence != 0)).tolist()
+            host["generated"] = _pairs(gen, [output_ids[i] for i in gen])
+        min_new = [p.min_new_tokens for p in params]
+        if any(min_new):
+            ban = [i for i, (k, m) in enumerate(zip(steps, min_new)) if k < m]
+            ban_ids = [
+                sorted({t for t in eos_token_ids + params[i].stop_token_ids if t < V}) for i in ban
+            ]
+            host["banned"] = _pairs(ban, ban_ids)
+        dev = _to_device({name: a for name, a in host.items() if a is not None}, device)
+        ints, floats = dev["ints"], dev["floats"]  # [3, B], [6, B]
+        return cls(
+            temperatures=floats[0].view(n, 1),
+            greedy=dev["greedy"],
+            top_ks=ints[0],
+            top_ps=floats[1],
+            min_ps=floats[2],
+            seeds=ints[1],
+            steps=ints[2],
+            repetition_penalties=floats[3],
+            frequency_penalties=floats[4].view(n, 1),
+            presence_penalties=floats[5].view(n, 1),
+            seen=_unstack(dev.get("seen")),
+            generated=_unstack(dev.get("generated")),
+            banned=_unstack(dev.get("banned")),
+            all_greedy=num_greedy == n,
+            any_greedy=num_greedy > 0,
+            top_k_max=int(top_ks.max(initial=0, where=top_ks < V)),
+            use_top_p=bool(used[1]),
+            use_min_p=bool(used[2]),
+        )
+
+
+# The rows of `values` in SamplingBatch.build at their neutral values: top_p <= 1 and min_p >= 0,
+# so a row that moves one uses it. (Row 0, the temperature, is not asked.)
+_NEUTRAL = np.array([[1.0], [1.0], [0.0], [1.0], [0.0], [0.0]])
+
+
+def _pairs(rows: list[int], id_lists: list[list[int]]) -> np.ndarray | None:
+    """[2, N] int64: each row repeated once per id of its list, over the ids; None if no ids."""
+    lens = [len(ids) for ids in id_lists]
+    total = sum(lens)
+    if total == 0:
+        return None
+    # np.fromiter is ~4x faster than torch.tensor on a long flat Python list.
+    ids = np.fromiter(chain.from_iterable(id_lists), dtype=np.int64, count=total)
+    return np.stack([np.repeat(np.asarray(rows, dtype=np.int64), lens), ids])
+
+
+def _unstack(pairs: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    return None if pairs is None else (pairs[0], pairs[1])
+
+
+_TORCH_DTYPES = {np.int64: torch.int64, np.float32: torch.float32, np.bool_: torch.bool}
+
+
+def _to_device(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str, Tensor]:
+    """The arrays on `device` after one non-blocking host-to-device copy: their bytes packed one
+    after another (each from a 16-byte boundary), then viewed back with their dtypes and shapes.
+    (Each copy costs the host more than packing a few KiB does.)"""
+    packed, starts = bytearray(), {}
+    for name, a in arrays.items():
+        starts[name] = len(packed)
+        packed += a.tobytes()
+        packed += bytes(-len(packed) % 16)
+    on_device = torch.frombuffer(packed or bytearray(16), dtype=torch.uint8)
+    on_device = on_device.to(device, non_blocking=True)
+    whole: dict[torch.dtype, Tensor] = {}  # the buffer viewed as each dtype
+    out = {}
+    for name, a in arrays.items():
+        dtype = _TORCH_DTYPES[a.dtype.type]
+        if dtype not in whole:
+            whole[dtype] = on_device.view(dtype)
+        at = starts[name] // a.itemsize
+        out[name] = whole[dtype][at : at + a.size].view(a.shape)
+    return out
 
 
 def apply_penalties_and_masks(logits: Tensor, batch: SamplingBatch) -> Tensor:

@@ -125,7 +125,7 @@ class Scheduler:
     @staticmethod
     def _penalized(step: LaunchedStep) -> bool:
         """Penalties read the tokens so far: such requests' next step waits for this one."""
-        return any(r.penalizes_output() for r in step.batch.reqs)
+        return any(r.penalizes for r in step.batch.reqs)
 
     def drain(self) -> None:
         """Applies the batch in flight, if any. Afterwards every sampled token is on the host,
@@ -140,11 +140,14 @@ class Scheduler:
         return done
 
     def _plan_prefill(self) -> ScheduleBatch | None:
+        if self.chunked is None and not self.waiting:
+            return None
         budget = min(self.options.chunked_prefill_size, self.options.max_prefill_tokens)
         reqs: list[Req] = []
         lens: list[int] = []
         slots = []
-        reserve = sum(self._future_tokens(r) for r in self.running)
+        # The running requests' future tokens: summed once a new request needs them.
+        reserve: int | None = None
         candidates = ([self.chunked] if self.chunked is not None else []) + list(self.waiting)
         for req in candidates:
             if budget <= 0:
@@ -160,8 +163,12 @@ class Scheduler:
                 if req.cached_tokens == 0:
                     req.cached_tokens = req.kv_len
             remaining = len(req.ids) - req.kv_len
-            own = self._future_tokens(req) if is_new else 0
-            room = self.kv.free_slots() - (reserve + own if is_new else 0)
+            room = self.kv.free_slots()
+            if is_new:
+                if reserve is None:
+                    reserve = sum(self._future_tokens(r) for r in self.running)
+                reserve += self._future_tokens(req)
+                room -= reserve
             ext = min(remaining, budget, room)
             got = self.kv.allocate(req, ext) if ext > 0 else None
             if got is None:
@@ -173,7 +180,6 @@ class Scheduler:
                 if not req.output_ids:
                     self.stats["prompt_tokens"] += len(req.prompt_ids)
                     self.stats["cached_tokens"] += req.kv_len
-            reserve += own
             reqs.append(req)
             lens.append(ext)
             slots.append(got)
@@ -197,8 +203,10 @@ class Scheduler:
 
     def _future_tokens(self, req: Req) -> int:
         """KV that admission keeps free for `req`'s tokens still to come."""
-        remaining = min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW)
-        return math.ceil(max(remaining, 0) * self.new_token_ratio)
+        remaining = req.max_new_tokens - len(req.output_ids)
+        if remaining <= 0:
+            return 0
+        return math.ceil(min(remaining, CLIP_MAX_NEW) * self.new_token_ratio)
 
     def _plan_decode(self) -> ScheduleBatch | None:
         if self.kv.free_slots() < len(self.running):
@@ -282,27 +290,31 @@ class Scheduler:
         """Records a launched batch's results: prompt logprobs, tokens, stops and finishes."""
         batch = step.batch
         outs = self.runner.resolve(step)
-        for i, (req, out) in enumerate(zip(batch.reqs, outs)):
+        stopped = False
+        for req, out, samples in zip(batch.reqs, outs, batch.sampling):
             if req.finished:  # finished by an earlier batch, or aborted: its token is dropped
                 continue
-            self._record_prompt_logprobs(req, out)
-            if not batch.samples(i):
+            if out.input_token_logprobs:
+                self._record_prompt_logprobs(req, out)
+            if not samples:
                 continue
             if out.embedding is not None:
                 req.add_pending("embedding", out.embedding)
             if req.max_new_tokens == 0:  # prefill only: prompt logprobs, no sampling
                 self._finish(req, {"type": "length", "length": 0})
                 continue
-            self._record_token(req, out)
-        self.running = [r for r in self.running if not r.finished]
+            stopped |= self._record_token(req, out)
+        # NOTE: running requests are all unfinished between steps: only a stop here changes that.
+        if stopped:
+            self.running = [r for r in self.running if not r.finished]
 
     def _record_prompt_logprobs(self, req: Req, out: ReqStepOutput) -> None:
-        if out.input_token_logprobs:
-            req.pending.setdefault("input_token_logprobs", []).extend(out.input_token_logprobs)
-            req.pending.setdefault("input_top_logprobs", []).extend(out.input_top_logprobs)
-            req.pending.setdefault("input_token_ids_logprobs", []).extend(out.input_token_ids_logprobs)
+        req.pending.setdefault("input_token_logprobs", []).extend(out.input_token_logprobs)
+        req.pending.setdefault("input_top_logprobs", []).extend(out.input_top_logprobs)
+        req.pending.setdefault("input_token_ids_logprobs", []).extend(out.input_token_ids_logprobs)
 
-    def _record_token(self, req: Req, out: ReqStepOutput) -> None:
+    def _record_token(self, req: Req, out: ReqStepOutput) -> bool:
+        """Appends the sampled token; returns whether it finished the request."""
         token = out.next_token
         assert token is not None
         req.output_ids.append(token)
@@ -318,8 +330,10 @@ class Scheduler:
             reason = {"type": "length", "length": len(req.output_ids)}
         if reason is not None:
             self._finish(req, reason)
-        elif req.req.stream:
+            return True
+        if req.req.stream:
             self.to_report.append(req)
+        return False
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finish_reason = reason
