@@ -147,6 +147,9 @@ def main() -> None:
     steps = run(sched, *workload())
     total = time.perf_counter() - start
     print(f"{args.workload} on {args.model}: {total:.2f} s, {len(steps)} steps")
+    decode = [size for mode, size, *_ in steps if mode == "decode"]
+    if decode:
+        print(f"mean decode batch {sum(decode) / len(decode):.1f}; scheduler stats {sched.stats}")
     # Per kind: steps, host seconds, fraction of it waiting for the device, and device ms per
     # step: the model forward, the whole launch (inputs, forward, sampling, copies), and the
     # device's idle time between the previous launch's end and this one's start.
