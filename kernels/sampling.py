@@ -5,7 +5,10 @@ x = logits / T; keep the top_k largest x (ties at the cut kept); of those, keep 
 likely tokens until their mass reaches top_p; drop x < max(x) + log(min_p); take the argmax
 of x + Gumbel noise hashed from (seed, step, token id). Greedy rows take argmax(logits).
 
-One program samples one row. Each cut is the largest threshold t that still keeps enough
+Without filters (temperature only: the usual RL rollout) a row is cut into chunks, one program
+each, and a second kernel takes the best of the chunks' Gumbel-max winners: the same token,
+with the whole GPU busy even for one row. With filters one program samples one row. Each cut
+is the largest threshold t that still keeps enough
 (count of x >= t >= top_k; mass of x >= t >= top_p * total), found by a radix search over
 the float32 keys, 4 bits per pass over the row: 8 passes per cut, each comparing every x
 against 16 candidate thresholds at once. The top-k cut is exact; the top-p cut sums the
@@ -147,6 +150,53 @@ def _sample_kernel(
     tl.store(out_ptr + row, best_idx)
 
 
+@triton.jit
+def _draw_chunk_kernel(
+    logits_ptr, stride_l, temp_ptr, greedy_ptr, seed_ptr, step_ptr, best_ptr, best_idx_ptr,
+    NUM_CHUNKS: tl.constexpr, VOCAB: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Program (row, chunk): the argmax over the chunk of x + noise (of x on a greedy row).
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_l
+    is_greedy = tl.load(greedy_ptr + row) != 0
+    temperature = tl.where(is_greedy, 1.0, tl.load(temp_ptr + row).to(tl.float32))
+    seed = tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)
+    step = tl.load(step_ptr + row).to(tl.uint64, bitcast=True)
+    hash_key = _mix64(_mix64(seed + GOLDEN, 3) ^ step, 3)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int64)
+    first = chunk * CHUNK
+    for start in range(first, first + CHUNK, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x, valid = _load_scaled(row_ptr, offs, temperature, VOCAB)
+        bits = _mix64(hash_key + (offs.to(tl.uint64) + 1) * GOLDEN, 2)
+        top = ((bits >> 41) ^ (1 << 22)).to(tl.float32)
+        u = (top + 0.5) * (2.0**-23)
+        noisy = tl.where(valid, x + -tl.log(-tl.log(u)), float("-inf"))
+        score = tl.where(is_greedy, x, noisy)
+        block_max = tl.max(score, axis=0)
+        block_idx = tl.min(tl.where(score == block_max, offs, VOCAB), axis=0).to(tl.int64)
+        best_idx = tl.where(block_max > best, block_idx, best_idx)
+        best = tl.maximum(best, block_max)
+    tl.store(best_ptr + row * NUM_CHUNKS + chunk, best)
+    tl.store(best_idx_ptr + row * NUM_CHUNKS + chunk, best_idx)
+
+
+@triton.jit
+def _pick_chunk_kernel(best_ptr, best_idx_ptr, out_ptr,
+                       NUM_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, VOCAB: tl.constexpr):
+    # The row's winner: the highest chunk score, the lowest token id among equal ones (the
+    # first maximum, as one pass over the row finds it).
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK_C)
+    mask = c < NUM_CHUNKS
+    vals = tl.load(best_ptr + row * NUM_CHUNKS + c, mask=mask, other=float("-inf"))
+    idxs = tl.load(best_idx_ptr + row * NUM_CHUNKS + c, mask=mask, other=VOCAB)
+    top = tl.max(vals, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(mask & (vals == top), idxs, VOCAB), axis=0))
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
@@ -160,12 +210,14 @@ def sample_tokens(
     use_top_p: bool = True,
     use_min_p: bool = True,
     block: int = 1024,
+    chunk: int = 8192,
 ) -> torch.Tensor:
     """logits: [B, V] (penalties already applied), last dim contiguous. Per row, as in
     SamplingBatch: temperatures [B] or [B, 1]; greedy [B] bool; top_ks [B] int64 (>= V: off);
     top_ps, min_ps [B] float32 (1 and 0: off); seeds, steps [B] int64. The use_* flags are
-    host-known promises that no row needs that filter (False skips its passes). Returns [B]
-    int64 token ids; never reads a value back to the host."""
+    host-known promises that no row needs that filter (False skips its passes); with none,
+    each row is drawn in chunks of `chunk` tokens by programs of their own. Returns [B] int64
+    token ids; never reads a value back to the host."""
     b, vocab = logits.shape
     if logits.stride(-1) != 1:
         raise ValueError("sample_tokens needs logits with a contiguous last dim")
@@ -177,10 +229,25 @@ def sample_tokens(
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b == 0:
         return out
+    block = min(block, triton.next_power_of_2(vocab))
+    if not (use_top_k or use_top_p or use_min_p):
+        chunk = triton.cdiv(max(chunk, block), block) * block  # whole blocks per chunk
+        chunks = triton.cdiv(vocab, chunk)
+        best = torch.empty((b, chunks), dtype=torch.float32, device=logits.device)
+        best_idx = torch.empty((b, chunks), dtype=torch.int64, device=logits.device)
+        _draw_chunk_kernel[(b, chunks)](
+            logits, logits.stride(0), per_row["temperatures"], greedy.to(torch.int8), seeds,
+            steps, best, best_idx,
+            NUM_CHUNKS=chunks, VOCAB=vocab, CHUNK=chunk, BLOCK=block, num_warps=4,
+        )
+        _pick_chunk_kernel[(b,)](
+            best, best_idx, out, NUM_CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks), VOCAB=vocab
+        )
+        return out
     _sample_kernel[(b,)](
         logits, logits.stride(0), per_row["temperatures"], greedy.to(torch.int8), top_ks,
         top_ps, min_ps, seeds, steps, out,
-        VOCAB=vocab, BLOCK=min(block, triton.next_power_of_2(vocab)),
+        VOCAB=vocab, BLOCK=block,
         USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, USE_MIN_P=use_min_p,
         num_warps=8,
     )

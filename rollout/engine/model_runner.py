@@ -228,9 +228,12 @@ class ModelRunner:
             steps=steps,
         )
         every = len(at) == len(logits)
-        # One kernel program samples one row: it wins from a few dozen rows on (Qwen3-0.6B's
-        # vocabulary, H100: 0.28 ms for 1 row, 0.41 ms for 256; the torch ops ~3.4 ms at 256).
-        kernel = self.fused_kernels and len(at) >= KERNEL_SAMPLING_MIN_ROWS
+        # With filters one kernel program samples one row: it wins from a few dozen rows on
+        # (Qwen3-0.6B's vocabulary, H100: 0.28 ms for 1 row, 0.41 ms for 256; the torch ops
+        # ~3.4 ms at 256). Without, the kernel draws each row in chunks: any number of rows.
+        kernel = self.fused_kernels and (
+            len(at) >= KERNEL_SAMPLING_MIN_ROWS or not sampling.filtered
+        )
         tokens = sample(logits if every else logits[self._to_device(at)], sampling, kernel)
         if table_rows is None:
             table_rows = self._to_device([r.row for r in sreqs])

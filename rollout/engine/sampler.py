@@ -57,6 +57,11 @@ class SamplingBatch:
     use_top_p: bool
     use_min_p: bool
 
+    @property
+    def filtered(self) -> bool:
+        """Does any row cut its distribution (top-k, top-p or min-p)?"""
+        return bool(self.top_k_max) or self.use_top_p or self.use_min_p
+
     @classmethod
     def build(
         cls,

@@ -87,6 +87,40 @@ def test_greedy_rows_take_the_first_maximum(device):
     assert _kernel_sample(logits, batch).tolist() == [40, VOCAB - 1]
 
 
+def test_unfiltered_rows_drawn_in_chunks_are_the_sampler_tokens(device):
+    # Temperature only: each row is cut into chunks (4 of 256 here) drawn by programs of their
+    # own; the winner must be the one-pass sampler's token, greedy rows included.
+    gen = torch.Generator().manual_seed(2)
+    params = [SamplingParams(temperature=t) for t in (0.6, 1.0, 0, 1.7, 0.3, 0, 1.0, 2.5)]
+    seeds = [3, 2**64 - 1, 0, 41, 2**33, 8, 1000, 77]
+    for trial in range(3):
+        logits = torch.randn(len(params), VOCAB, generator=gen).mul(3).to(device)
+        batch = _batch(params, seeds, [trial * 5 + i for i in range(len(params))], device)
+        assert not (batch.top_k_max or batch.use_top_p or batch.use_min_p)
+        want = sample(logits.clone(), batch)
+        for chunk in (256, 300, 8192):  # several chunks, a chunk rounded up to whole blocks, one
+            got = sample_tokens(
+                logits.clone(), batch.temperatures, batch.greedy, batch.top_ks, batch.top_ps,
+                batch.min_ps, batch.seeds, batch.steps,
+                use_top_k=False, use_top_p=False, use_min_p=False, block=128, chunk=chunk,
+            )
+            assert got.tolist() == want.tolist(), chunk
+
+
+def test_chunked_greedy_takes_the_first_maximum_across_chunks(device):
+    logits = torch.zeros(3, VOCAB, device=device)
+    logits[0, [900, 300, 700]] = 1.0  # equal maxima in different chunks: the first wins
+    logits[1, :] = float("-inf")  # nothing drawable: token 0, as the one-pass kernel gives
+    logits[2, VOCAB - 1] = 5.0  # in the last, partly masked chunk
+    batch = _batch([SamplingParams(temperature=0)] * 3, [0] * 3, [0] * 3, device)
+    got = sample_tokens(
+        logits, batch.temperatures, batch.greedy, batch.top_ks, batch.top_ps, batch.min_ps,
+        batch.seeds, batch.steps, use_top_k=False, use_top_p=False, use_min_p=False,
+        block=128, chunk=256,
+    )
+    assert got.tolist() == [300, 0, VOCAB - 1]
+
+
 def test_rejects_per_row_tensors_of_the_wrong_length(device):
     logits = torch.zeros(2, VOCAB, device=device)
     b = _batch([SamplingParams()] * 3, [0] * 3, [0] * 3, device)
