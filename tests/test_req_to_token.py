@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import CPU_AND_CUDA
 
 from rollout.engine.kv_pool import ReqToTokenPool
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
+DEVICES = CPU_AND_CUDA
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import CPU_AND_CUDA
 
 from rollout.engine.sampler import (
     SamplingBatch,
@@ -15,16 +16,7 @@ from rollout.engine.sampler import (
 )
 from rollout.engine.sampling_params import SamplingParams as SP
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
+DEVICES = CPU_AND_CUDA
 EOS = 5
 
 

@@ -94,13 +94,18 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
             if candidate in BACKENDS and unavailable_reason(candidate, device, dtype) is None:
                 return candidate
         return "torch"
+    return _named_backend("attention_backend", name, device, dtype, "; use auto or torch")
+
+
+def _named_backend(
+    option: str, name: str, device: torch.device, dtype: torch.dtype, hint: str = ""
+) -> str:
+    """`name` as given for `option`, once it is known and can run here; else ValueError."""
     if name not in BACKENDS:
-        raise ValueError(
-            f"attention_backend must be one of auto, {', '.join(BACKENDS)}, got {name!r}"
-        )
+        raise ValueError(f"{option} must be one of auto, {', '.join(BACKENDS)}, got {name!r}")
     reason = unavailable_reason(name, device, dtype)
     if reason is not None:
-        raise ValueError(f"attention_backend={name!r} cannot run here: {reason}; use auto or torch")
+        raise ValueError(f"{option}={name!r} cannot run here: {reason}{hint}")
     return name
 
 
@@ -114,14 +119,7 @@ def resolve_decode_backend(
         if preferred is not None and unavailable_reason(preferred, device, dtype) is None:
             return preferred
         return attention_backend
-    if name not in BACKENDS:
-        raise ValueError(
-            f"decode_attention_backend must be one of auto, {', '.join(BACKENDS)}, got {name!r}"
-        )
-    reason = unavailable_reason(name, device, dtype)
-    if reason is not None:
-        raise ValueError(f"decode_attention_backend={name!r} cannot run here: {reason}")
-    return name
+    return _named_backend("decode_attention_backend", name, device, dtype)
 
 
 def create_attention_backend(
