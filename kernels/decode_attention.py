@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from rollout_kernels.attention_merge import merge_attention_parts
+from rollout_kernels.paged_inputs import check_paged_inputs
 from rollout_kernels.precision import dot_precision
 
 # Fewer keys than this per split cost more in merging than they gain in parallelism.
@@ -113,16 +114,8 @@ def decode_attention(
     length) on, the result is the same bit for bit; below, it differs by float rounding only. A
     fixed value keeps the launch shape fixed (CUDA graphs), whatever the sequence lengths."""
     b, heads, dim = q.shape
+    check_paged_inputs("decode_attention", q, k_cache, v_cache, req_to_token, "B")
     kv_heads = k_cache.shape[1]
-    if heads % kv_heads or k_cache.shape[2] != dim or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"decode_attention needs q [B, H, D] and caches [slots, Hkv, D] with H a multiple "
-            f"of Hkv; got q {tuple(q.shape)}, caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
-    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("decode_attention needs q's head dim and both caches contiguous")
-    if req_to_token.stride(-1) != 1:
-        raise ValueError("decode_attention needs req_to_token rows contiguous")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(q) if out is None else out

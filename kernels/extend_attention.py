@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.paged_inputs import check_paged_inputs
 from rollout_kernels.precision import dot_precision
 
 
@@ -93,16 +94,8 @@ def extend_attention(
     `max_extend_len` (a host int >= every extend_lens[b]) sizes the grid without a device sync.
     Returns out [T, H, D] in q's dtype."""
     t, heads, dim = q.shape
+    check_paged_inputs("extend_attention", q, k_cache, v_cache, req_to_token, "T")
     kv_heads = k_cache.shape[1]
-    if heads % kv_heads or k_cache.shape[2] != dim or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"extend_attention needs q [T, H, D] and caches [slots, Hkv, D] with H a multiple "
-            f"of Hkv; got q {tuple(q.shape)}, caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
-    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("extend_attention needs q's head dim and both caches contiguous")
-    if req_to_token.stride(-1) != 1:
-        raise ValueError("extend_attention needs req_to_token rows contiguous")
     out = torch.empty_like(q) if out is None else out
     batch = seq_lens.shape[0]
     if t == 0 or batch == 0 or max_extend_len <= 0:
