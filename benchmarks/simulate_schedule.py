@@ -1,0 +1,126 @@
+"""The scheduler alone on a workload, with a cost model in place of the GPU: an estimate.
+
+    python benchmarks/simulate_schedule.py --model llama-3.1-8b --workload random \\
+        --num-seqs 500 --input-len 4096 --output-len 2048 --kv-tokens 423842
+
+Runs the real Scheduler (admission, chunked prefill, retraction, prefix cache) over a runner
+that computes nothing and returns token 7 at once, and charges each step what a roofline says
+it costs on the device: a decode step reads the weights and every running request's KV at
+--bandwidth; a prefill step does 2 x params FLOPs per token plus its attention at --flops (or
+reads the weights, if that is slower). Prints the estimated seconds and output tokens/s, the
+steps of each kind, the mean decode batch and the retractions. Every number is a model of the
+device, not a measurement: use it to compare scheduling choices, or to see how far a measured
+run is from the roofline of its own schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_offline import grpo_workload, nano_workload, random_workload  # noqa: E402
+from rollout.config import EngineOptions  # noqa: E402
+from rollout.engine.forward_batch import ForwardMode  # noqa: E402
+from rollout.engine.kv_pool import ReqToTokenPool  # noqa: E402
+from rollout.engine.launched_step import LaunchedStep, ReqStepOutput  # noqa: E402
+from rollout.engine.messages import TokenizedRequest  # noqa: E402
+from rollout.engine.sampling_params import SamplingParams  # noqa: E402
+from rollout.engine.scheduler import Scheduler  # noqa: E402
+from rollout.engine.stop_checker import StopChecker  # noqa: E402
+from rollout.real_configs import REAL_CONFIGS  # noqa: E402
+
+BYTES = 2  # bf16 weights and KV
+
+
+def model_sizes(cfg: dict) -> tuple[int, int, int]:
+    """(parameters a token's forward multiplies, KV bytes per token, attention width q x layers)."""
+    hidden, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    params = layers * per_layer + cfg["vocab_size"] * hidden  # the LM head; the embedding is a lookup
+    kv_bytes = 2 * layers * kv_heads * head_dim * BYTES
+    return params, kv_bytes, layers * heads * head_dim
+
+
+class RooflineRunner:
+    """What the Scheduler needs of a ModelRunner, with device time charged by a roofline."""
+
+    def __init__(self, args: argparse.Namespace, cfg: dict) -> None:
+        self.num_slots = args.kv_tokens
+        self.context_length = args.input_len + args.output_len + 1
+        self.req_to_token = ReqToTokenPool(args.max_running_requests + 1, self.context_length + 1, "cpu")
+        self.params, self.kv_bytes, self.attn_width = model_sizes(cfg)
+        self.bandwidth, self.flops = args.bandwidth, args.flops
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
+        self.decode_batches: list[int] = []
+
+    def launch(self, batch) -> LaunchedStep:
+        weights = self.params * BYTES / self.bandwidth
+        if batch.mode is ForwardMode.DECODE:
+            context = sum(start + 1 for start in batch.starts)
+            self.seconds["decode"] += weights + context * self.kv_bytes / self.bandwidth
+            self.decode_batches.append(len(batch.reqs))
+        else:
+            tokens = sum(batch.extend_lens)
+            # q.k and p.v over the prefix and the causal half of the new tokens.
+            attn = sum(4 * self.attn_width * e * (s + e / 2) for s, e in zip(batch.starts, batch.extend_lens))
+            self.seconds["prefill"] += max(weights, (2 * self.params * tokens + attn) / self.flops)
+        outs = [ReqStepOutput(next_token=7 if batch.samples(i) else None) for i in range(len(batch.reqs))]
+        return LaunchedStep(batch, [], outs)
+
+    def resolve(self, step: LaunchedStep) -> list[ReqStepOutput]:
+        return step.outputs()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(REAL_CONFIGS))
+    parser.add_argument("--workload", choices=["nano", "grpo", "random"], default="random")
+    parser.add_argument("--num-seqs", type=int, default=500)
+    parser.add_argument("--input-len", type=int, default=4096)
+    parser.add_argument("--output-len", type=int, default=2048)
+    parser.add_argument("--kv-tokens", type=int, required=True, help="KV pool size, as the engine reports it")
+    parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s (H100: 3.0e12 measured copy)")
+    parser.add_argument("--flops", type=float, default=7.5e14, help="prefill FLOP/s reached (bf16; an H100 reached ~7.5e14 on Llama-3.1-8B)")
+    parser.add_argument("--disable-radix-cache", action="store_true")
+    args = parser.parse_args()
+
+    if args.workload == "nano":
+        prompts, params = nano_workload(args.num_seqs, 1024)
+        args.input_len = args.output_len = 1024
+    elif args.workload == "grpo":
+        prompts, params = grpo_workload(args.num_seqs, args.output_len)
+        args.input_len = 512
+    else:
+        prompts, params = random_workload(args.num_seqs, args.input_len, args.output_len, 0.0)
+    runner = RooflineRunner(args, REAL_CONFIGS[args.model])
+    options = EngineOptions.from_kwargs(
+        model_path="unused", max_running_requests=args.max_running_requests,
+        disable_radix_cache=args.disable_radix_cache,
+    )  # fmt: skip
+    sched = Scheduler(options, runner, StopChecker(None, []))
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        for j in range(p.pop("n", 1)):
+            sched.add_request(TokenizedRequest(f"r{i}-{j}", ids, SamplingParams(**p), seed=i))
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        steps += 1
+    total = sum(runner.seconds.values())
+    tokens = sched.stats["generated_tokens"]
+    batches = runner.decode_batches
+    print(
+        f"estimate: {total:.1f} s ({runner.seconds['prefill']:.1f} prefill, {runner.seconds['decode']:.1f} decode), "
+        f"{tokens / total:.0f} output tok/s; {steps} steps, {len(batches)} decode, mean decode batch "
+        f"{sum(batches) / max(len(batches), 1):.1f}; {sched.stats['retractions']} retractions"
+    )
+
+
+if __name__ == "__main__":
+    main()
