@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--skinny-gemm-max-rows", type=int, default=0)
     parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
     args = parser.parse_args()
     if args.output_len < 2:
@@ -103,6 +104,7 @@ def main() -> None:
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
         "disable_cuda_graph": args.disable_cuda_graph,
+        "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
         # Every run prefills the same prompt from scratch.
         "disable_radix_cache": True,
         "max_total_tokens": 8 * (args.input_len + args.output_len),
@@ -136,6 +138,7 @@ def main() -> None:
         "output_len": args.output_len,
         "attention_backend": args.attention_backend,
         "cuda_graph": not args.disable_cuda_graph,
+        "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
         "ttft_ms": round(ours["ttft_s"] * 1e3, 2),
         "decode_step_ms": round(ours["step_s"] * 1e3, 3),
         "decode_tok_per_s": round(1 / ours["step_s"], 1),

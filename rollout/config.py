@@ -17,6 +17,7 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 
 
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+SKINNY_GEMM_MAX_ROWS = 16  # rollout_kernels.skinny_gemm.MAX_ROWS (config does not import Triton)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,12 @@ class ModelOptions:
         "auto",
         "attention implementation of decode steps: auto (triton where attention_backend resolves "
         "to flashinfer, else the same as attention_backend), flashinfer, triton, torch",
+    )
+    skinny_gemm_max_rows: int = _opt(
+        0,
+        "on the GPU backends, linear layers over at most this many tokens (small decode "
+        "batches) run the skinny GEMM kernel of kernels/ instead of torch's GEMM; 0: never "
+        "(experimental: not yet measured inside the engine)",
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = _opt(
@@ -69,6 +76,10 @@ class ModelOptions:
             raise ValueError(
                 f"decode_attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.decode_attention_backend!r}"
+            )
+        if not 0 <= self.skinny_gemm_max_rows <= SKINNY_GEMM_MAX_ROWS:
+            raise ValueError(
+                f"skinny_gemm_max_rows must be in 0..{SKINNY_GEMM_MAX_ROWS}, got {self.skinny_gemm_max_rows}"
             )
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")

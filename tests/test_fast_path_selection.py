@@ -85,6 +85,9 @@ def test_options_validate_backend_and_graph_size():
     assert ModelOptions().decode_attention_backend == "auto"
     with pytest.raises(ValueError, match="decode_attention_backend must be one of auto, flashinfer"):
         ModelOptions(decode_attention_backend="fi")
+    assert ModelOptions().skinny_gemm_max_rows == 0
+    with pytest.raises(ValueError, match="skinny_gemm_max_rows must be in 0..16, got 17"):
+        ModelOptions(skinny_gemm_max_rows=17)
     with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 1, got 0"):
         ModelOptions(cuda_graph_max_bs=0)
     opts = EngineOptions.from_kwargs(model_path="m", disable_cuda_graph=True, cuda_graph_max_bs=64)

@@ -101,7 +101,7 @@ class ModelRunner:
         # The GPU backends come with the Triton kernels for norms, rotary, SiLU-and-mul and
         # sampling; attention_backend="torch" stays all torch: it is the reference path.
         self.fused_kernels = self.attention_backend != "torch"
-        use_fused_kernels(self.model, self.fused_kernels)
+        use_fused_kernels(self.model, self.fused_kernels, mopts.skinny_gemm_max_rows)
         self.graph_runner: CudaGraphRunner | None = None
         graphs = not mopts.disable_cuda_graph and self.attn_backend.supports_cuda_graph
         if self.device.type == "cuda" and graphs:

@@ -33,14 +33,39 @@ class FusedOps:
     """Mixin of the blocks that have a fused-kernel path; off until `use_fused_kernels`."""
 
     fused = False
+    skinny_rows = 0  # linear layers of at most this many rows run the skinny GEMM kernel
 
 
-def use_fused_kernels(model: nn.Module, enabled: bool = True) -> None:
+def use_fused_kernels(model: nn.Module, enabled: bool = True, skinny_rows: int = 0) -> None:
     """Switches every block of `model` to (or back from) the Triton kernels. Outputs agree
-    with the torch path to rounding; both paths round where HF's modules round."""
+    with the torch path to rounding; both paths round where HF's modules round. With
+    `skinny_rows`, linear layers over at most that many tokens (a small decode batch) use
+    rollout_kernels.skinny_gemm instead of torch's GEMM."""
     for module in model.modules():
         if isinstance(module, FusedOps):
             module.fused = enabled
+            module.skinny_rows = skinny_rows if enabled else 0
+
+
+# The skinny GEMM's tiles: the best for three of Qwen2.5-7B's five projections at one row on an
+# H100 (benchmarks/bench_gemv.py, 2026-11-23, in a run whose weights were partly L2-resident).
+SKINNY_GEMM_TILES = {"block_n": 32, "block_k": 512, "num_warps": 4, "num_stages": 5}
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny_rows: int = 0
+) -> torch.Tensor:
+    """x: [T, in] -> [T, out], through the skinny GEMM kernel when 0 < T <= skinny_rows."""
+    if 0 < x.shape[0] <= skinny_rows:
+        return kernel("skinny_gemm").skinny_gemm(x, weight, bias, **SKINNY_GEMM_TILES)
+    return F.linear(x, weight, bias)
+
+
+class Linear(FusedOps, nn.Linear):
+    """nn.Linear that runs the skinny GEMM kernel for small decode batches when switched on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.skinny_rows)
 
 
 class RMSNorm(FusedOps, nn.Module):
@@ -114,7 +139,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-class MergedLinear(nn.Linear):
+class MergedLinear(Linear):
     """One Linear standing for several checkpoint projections stacked along the output dim.
 
     `parts` maps each checkpoint projection (e.g. "q_proj") to its number of output rows, in
@@ -152,7 +177,7 @@ class SiluAndMulMLP(FusedOps, nn.Module):
         self.gate_up_proj = MergedLinear(
             hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias
         )
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]

@@ -12,10 +12,12 @@ from rollout.engine.attention import Attention
 from rollout.engine.forward_batch import ForwardBatch
 from rollout.models.layers import (
     FusedOps,
+    Linear,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
     SiluAndMulMLP,
+    linear,
     rotate_qk,
 )
 
@@ -39,7 +41,7 @@ class DecoderAttention(FusedOps, nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         parts = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}
         self.qkv_proj = MergedLinear(config.hidden_size, parts, qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(
@@ -114,7 +116,7 @@ class DecoderModel(nn.Module):
         return x
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(FusedOps, nn.Module):
     qkv_bias = False  # Qwen2 has biases on q, k, v (and never on o)
     qk_norm = False  # Qwen3 normalises each head of q and k before rotary
     has_lm_head = True  # sequence classifiers put a score head on the same body instead
@@ -144,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight, None, self.skinny_rows).float()
 
     def hf_param_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every HF name `load_weights` loads, with the shape and dtype it lands in; a caller

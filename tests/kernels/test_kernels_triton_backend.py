@@ -136,12 +136,12 @@ def model_setup(request, device):
 
 def _run(
     model_setup, device: str, backend_name: str, padded: int | None = None, fused: bool = False,
-    decode: str | None = None,
+    decode: str | None = None, skinny_rows: int = 0,
 ) -> _Driver:
     model, cfg, prompts = model_setup
     backend = create_attention_backend(backend_name, _shape(cfg, device), decode)
     driver = _Driver(model, cfg, backend, prompts, device)
-    use_fused_kernels(model, fused)
+    use_fused_kernels(model, fused, skinny_rows)
     try:
         driver.prefill()
         for _ in range(NEW_TOKENS - 1):
@@ -162,6 +162,9 @@ def runs(model_setup, device) -> dict[str, _Driver]:
         "triton-padded": _run(model_setup, device, "triton", padded=len(PROMPT_LENS) + 3),
         # What an engine on a GPU runs: the fused norm/rotary/SiLU kernels in every layer.
         "triton-fused": _run(model_setup, device, "triton", fused=True),
+        # And the skinny GEMM in every linear layer of a decode (4 rows; the prefill's
+        # longer chunks keep torch's GEMM).
+        "triton-fused-skinny": _run(model_setup, device, "triton", fused=True, skinny_rows=4),
         # decode_attention_backend: extend on one backend, decode on another, one KV pool.
         "torch-then-triton": _run(model_setup, device, "torch", padded=len(PROMPT_LENS) + 3, decode="triton"),
     }
@@ -199,5 +202,11 @@ def test_decode_on_another_backend_than_extend(runs):
     assert isinstance(got.backend.extend, TorchAttentionBackend)
     assert isinstance(got.backend.decode, TritonAttentionBackend)
     assert got.backend.supports_cuda_graph
+    assert got.outputs == want.outputs
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_gemm_in_the_linear_layers_equals_the_torch_layers(runs):
+    want, got = runs["torch"], runs["triton-fused-skinny"]
     assert got.outputs == want.outputs
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
