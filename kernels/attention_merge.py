@@ -19,24 +19,27 @@ def _merge_kernel(
     h = tl.program_id(1)
     parts = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    smask = parts < NUM_PARTS
-    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + parts, mask=smask, other=float("-inf"))
-    top = tl.max(lse, axis=0)
+    dmask = dims < HEAD_DIM
+    lse_row = lse_ptr + b * stride_lb + h * stride_lh
+    top = tl.max(tl.load(lse_row + parts, mask=parts < NUM_PARTS, other=float("-inf")), axis=0)
     top = tl.where(top > float("-inf"), top, 0.0)  # no -inf - -inf when every part is empty
-    # An empty part has lse = -inf and weight 0.
-    weight = tl.where(smask & (lse > float("-inf")), tl.exp(lse - top), 0.0)  # [S]
-    offs = b * stride_pb + h * stride_ph + parts[:, None] * stride_ps + dims[None, :]
-    # An empty part need not have been written: it is not read.
-    mask = (smask & (lse > float("-inf")))[:, None] & (dims[None, :] < HEAD_DIM)
-    part = tl.load(part_ptr + offs, mask=mask, other=0.0)  # [S, D]
-    total = tl.sum(weight, axis=0)
+    # Part by part, in order: trailing empty parts add exact zeros, so a larger NUM_PARTS with
+    # the same non-empty parts gives the same bits (a CUDA graph's fixed count vs an eager one).
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    total = tl.zeros((), tl.float32)
+    for s in tl.static_range(NUM_PARTS):
+        lse = tl.load(lse_row + s)
+        nonempty = lse > float("-inf")
+        # An empty part has weight 0 and need not have been written: whatever it holds (NaN
+        # included) is replaced by zeros.
+        weight = tl.where(nonempty, tl.exp(lse - top), 0.0)
+        part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s * stride_ps + dims, mask=dmask, other=0.0)
+        part = tl.where(nonempty, part, 0.0)
+        acc += part * weight
+        total += weight
     # A row with no keys at all (CUDA-graph padding) has total 0: it gets zeros, not NaN.
-    out = tl.sum(part * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + b * stride_ob + h * stride_oh + dims,
-        out.to(out_ptr.dtype.element_ty),
-        mask=dims < HEAD_DIM,
-    )
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 def merge_attention_parts(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:

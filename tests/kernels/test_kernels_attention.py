@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from paged_fixtures import make_paged_batch, reference_attention  # noqa: E402
 
+from rollout_kernels.attention_merge import merge_attention_parts  # noqa: E402
 from rollout_kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
 from rollout_kernels.extend_attention import extend_attention  # noqa: E402
 from rollout_kernels.kv_store import store_kv  # noqa: E402
@@ -119,3 +120,21 @@ def test_store_kv_rejects_mismatched_shapes(device):
     cache = torch.zeros(4, 2, 8, device=device)
     with pytest.raises(ValueError, match="Hkv, D"):
         store_kv(torch.zeros(1, 3, 8, device=device), torch.zeros(1, 3, 8, device=device), cache, cache, torch.tensor([1]))
+
+
+def test_merge_reads_nothing_of_empty_parts_and_trailing_ones_change_no_bit(device):
+    gen = torch.Generator().manual_seed(6)
+    parts = torch.randn(2, 3, 5, 16, generator=gen).to(device)
+    lse = torch.randn(2, 3, 5, generator=gen).to(device)
+    lse[:, :, 3:] = float("-inf")  # parts 3 and 4 are empty: never written, here NaN
+    parts[:, :, 3:] = float("nan")
+    lse[1, 2, :] = float("-inf")  # a row with no keys at all
+    out = torch.empty(2, 3, 16, device=device)
+    merge_attention_parts(parts, lse, out)
+    weights = torch.softmax(lse[0, :, :3], dim=-1)
+    want = (parts[0, :, :3] * weights[..., None]).sum(1)
+    torch.testing.assert_close(out[0], want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[1, 2], torch.zeros(16, device=device))
+    fewer = torch.empty_like(out)
+    merge_attention_parts(parts[:, :, :3].contiguous(), lse[:, :, :3].contiguous(), fewer)
+    assert torch.equal(out, fewer)
