@@ -26,7 +26,7 @@ def _merge_kernel(
     # Part by part, in order: trailing empty parts add exact zeros, so a larger NUM_PARTS with
     # the same non-empty parts gives the same bits (a CUDA graph's fixed count vs an eager one).
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    total = tl.zeros((), tl.float32)
+    total = tl.full([], 0.0, tl.float32)
     for s in tl.static_range(NUM_PARTS):
         lse = tl.load(lse_row + s)
         nonempty = lse > float("-inf")
