@@ -170,28 +170,31 @@ def runs(model_setup, device) -> dict[str, _Driver]:
     }
 
 
+def _assert_same_run(got: _Driver, want: _Driver, tol: float) -> None:
+    """The same greedy tokens, and logits of every sampled position within `tol`."""
+    assert got.outputs == want.outputs
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=tol, rtol=tol)
+
+
 def test_triton_backend_greedy_equals_torch_backend(runs):
     want, got = runs["torch"], runs["triton"]
     assert isinstance(got.backend, TritonAttentionBackend)
-    assert got.outputs == want.outputs
     assert all(len(o) == NEW_TOKENS for o in got.outputs)
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
+    _assert_same_run(got, want, 1e-4)
 
 
 def test_graph_style_padded_decode_equals_eager(runs):
     # CUDA-graph replay feeds the backend through prepare_graph, with padding rows and the
     # split count of the longest context; on CPU the same path runs without the graph.
     want, got = runs["triton"], runs["triton-padded"]
-    assert got.outputs == want.outputs
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-5, rtol=1e-5)
+    _assert_same_run(got, want, 1e-5)
 
 
 def test_fused_layer_kernels_equal_the_torch_layers(runs):
     # RMSNorm (with the residual add and Qwen3's per-head q/k norm read in place), rotary on
     # the qkv views and SiLU-and-mul, in every layer, against the torch path of the same model.
     want, got = runs["torch"], runs["triton-fused"]
-    assert got.outputs == want.outputs
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
+    _assert_same_run(got, want, 1e-4)
 
 
 def test_decode_on_another_backend_than_extend(runs):
@@ -202,11 +205,9 @@ def test_decode_on_another_backend_than_extend(runs):
     assert isinstance(got.backend.extend, TorchAttentionBackend)
     assert isinstance(got.backend.decode, TritonAttentionBackend)
     assert got.backend.supports_cuda_graph
-    assert got.outputs == want.outputs
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
+    _assert_same_run(got, want, 1e-4)
 
 
 def test_skinny_gemm_in_the_linear_layers_equals_the_torch_layers(runs):
     want, got = runs["torch"], runs["triton-fused-skinny"]
-    assert got.outputs == want.outputs
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
+    _assert_same_run(got, want, 1e-4)
