@@ -140,17 +140,16 @@ class ModelRunner:
         each request's input token from `last_token`, so the previous step may still be running.
         Requests with sampling penalties must have all their sampled tokens in output_ids."""
         decode = batch.mode is ForwardMode.DECODE
-        fb, hidden_rows, rows = self._build_decode(batch) if decode else self._build(batch)
+        fb, hidden_rows, rows = self._build_decode(batch) if decode else self._build_extend(batch)
         hidden = self._run_model(fb)
         step = LaunchedStep(batch, rows, [ReqStepOutput() for _ in batch.reqs])
-        for req, start, out in zip(batch.reqs, batch.starts, step.outs):
-            if decode:
-                break
-            if req.wants_prompt_logprobs() and start == 0 and req.req.logprob_start_len == 0:
-                # The first token has no logprob: nothing precedes it.
-                out.input_token_logprobs.append((None, req.ids[0]))
-                out.input_top_logprobs.append(None)
-                out.input_token_ids_logprobs.append(None)
+        if not decode:
+            for req, start, out in zip(batch.reqs, batch.starts, step.outs):
+                if req.wants_prompt_logprobs() and start == 0 and req.req.logprob_start_len == 0:
+                    # The first token has no logprob: nothing precedes it.
+                    out.input_token_logprobs.append((None, req.ids[0]))
+                    out.input_top_logprobs.append(None)
+                    out.input_token_ids_logprobs.append(None)
         if rows:
             # A decode samples every row in order: no gather, and the rows' req->token rows
             # are the batch's own.
@@ -214,7 +213,7 @@ class ModelRunner:
         # Tokens generated before this one: those on the host plus any still on the device.
         steps = [row.target - len(r.prompt_ids) for row, r in zip(rows, sreqs)]
         for r, n in zip(sreqs, steps):
-            assert not r.penalizes_output() or len(r.output_ids) == n, (
+            assert not r.penalizes or len(r.output_ids) == n, (
                 f"{r.rid}: penalties need its {n} output tokens on the host, {len(r.output_ids)} are"
             )
         sampling = SamplingBatch.build(
@@ -282,12 +281,15 @@ class ModelRunner:
         return torch.stack(rows)
 
     def _build_decode(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int], list[LogitRow]]:
-        """`_build` for a decode: one token per request, each sampled; the per-request ints go
-        to the device in one copy (this runs every step, for every running request)."""
+        """Tensors for a decode forward, plus which hidden rows need outputs and why: one token
+        per request, each sampled. The per-request ints go to the device in one copy (this runs
+        every step, for every running request)."""
         starts = batch.starts
         seq_lens = [start + 1 for start in starts]
-        host = torch.tensor([[r.row for r in batch.reqs], starts, seq_lens], dtype=torch.int64)
-        req_pool_indices, positions, seq_lens_dev = host.to(self.device, non_blocking=True)
+        host = torch.tensor(
+            [[r.row for r in batch.reqs], starts, seq_lens, batch.extend_lens], dtype=torch.int64
+        )
+        req_pool_indices, positions, seq_lens_dev, extend_lens = host.to(self.device, non_blocking=True)
         fb = ForwardBatch(
             mode=batch.mode,
             # The input tokens were sampled on the device and may not be on the host yet.
@@ -296,7 +298,7 @@ class ModelRunner:
             out_cache_loc=batch.out_cache_loc.to(self.device, non_blocking=True),
             req_pool_indices=req_pool_indices,
             seq_lens=seq_lens_dev,
-            extend_lens=torch.ones_like(seq_lens_dev),
+            extend_lens=extend_lens,
             req_to_token=self.req_to_token.table,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
@@ -306,17 +308,16 @@ class ModelRunner:
         rows = [LogitRow(i, "sample", n) for i, n in enumerate(seq_lens)]
         return fb, list(range(len(seq_lens))), rows
 
-    def _build(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int], list[LogitRow]]:
-        """Tensors for the forward, plus which hidden rows need outputs and why."""
-        decode = batch.mode is ForwardMode.DECODE
+    def _build_extend(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int], list[LogitRow]]:
+        """Tensors for an extend forward (prefill, chunks), plus which hidden rows need outputs
+        and why."""
         input_ids: list[int] = []
         positions: list[int] = []
         hidden_rows: list[int] = []
         rows: list[LogitRow] = []
         for i, (req, start, ext) in enumerate(zip(batch.reqs, batch.starts, batch.extend_lens)):
             base = len(positions)
-            if not decode:
-                input_ids.extend(req.ids[start : start + ext])
+            input_ids.extend(req.ids[start : start + ext])
             positions.extend(range(start, start + ext))
             if req.wants_prompt_logprobs():
                 first = max(req.req.logprob_start_len, 1)
@@ -332,8 +333,7 @@ class ModelRunner:
         seq_lens = [start + ext for start, ext in zip(batch.starts, batch.extend_lens)]
         fb = ForwardBatch(
             mode=batch.mode,
-            # A decode's input tokens were sampled on the device and may not be on the host yet.
-            input_ids=self.last_token[req_pool_indices] if decode else self._to_device(input_ids),
+            input_ids=self._to_device(input_ids),
             positions=self._to_device(positions),
             out_cache_loc=batch.out_cache_loc.to(dev, non_blocking=True),
             req_pool_indices=req_pool_indices,

@@ -31,7 +31,9 @@ class Req:
     reported: bool = False
     input_logprobs_done: bool = False
     pending: dict[str, list] = field(default_factory=dict)
-    # Read once from the params (they never change): the scheduler asks every step.
+    # Does sampling read the tokens generated so far (repetition, frequency or presence
+    # penalties)? Then each token must be on the host before the next one is sampled. Read
+    # once from the params (they never change): the scheduler asks every step.
     penalizes: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,11 +72,6 @@ class Req:
         if self.wants_prompt_logprobs():
             limit = min(limit, max(self.req.logprob_start_len, 1) - 1)
         return max(limit, 0)
-
-    def penalizes_output(self) -> bool:
-        """Does sampling read the tokens generated so far (repetition, frequency or presence
-        penalties)? Then each token must be on the host before the next one is sampled."""
-        return self.penalizes
 
     def add_pending(self, key: str, value: Any) -> None:
         self.pending.setdefault(key, []).append(value)
