@@ -39,6 +39,33 @@ def _mix64(z, ROUNDS: tl.constexpr):
 
 
 @triton.jit
+def _row_key(seed_ptr, step_ptr, row):
+    """A row's hash key from its seed and step, as the sampler's gumbel_noise makes it."""
+    seed = tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)
+    step = tl.load(step_ptr + row).to(tl.uint64, bitcast=True)
+    return _mix64(_mix64(seed + GOLDEN, 3) ^ step, 3)
+
+
+@triton.jit
+def _running_argmax(score, offs, best, best_idx, VOCAB: tl.constexpr):
+    """(best, best_idx) after one more block of scores at token ids `offs`. Strictly greater:
+    the first index wins ties, as in torch.argmax."""
+    block_max = tl.max(score, axis=0)
+    block_idx = tl.min(tl.where(score == block_max, offs, VOCAB), axis=0).to(tl.int64)
+    return tl.maximum(best, block_max), tl.where(block_max > best, block_idx, best_idx)
+
+
+@triton.jit
+def _gumbel(hash_key, offs):
+    """The sampler's Gumbel noise of token ids `offs` for a row's hash key (gumbel_noise)."""
+    bits = _mix64(hash_key + (offs.to(tl.uint64) + 1) * GOLDEN, 2)
+    # The top 23 bits as the sampler's signed shift sees them, shifted to [0, 2^23).
+    top = ((bits >> 41) ^ (1 << 22)).to(tl.float32)
+    u = (top + 0.5) * (2.0**-23)  # exact, never 0 or 1
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def _order_key(x):
     """float32 -> int64 in [0, 2^32), ordered as the floats are (-0.0 taken as +0.0)."""
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
@@ -102,11 +129,7 @@ def _sample_kernel(
     for start in range(0, VOCAB, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x, valid = _load_scaled(row_ptr, offs, temperature, VOCAB)
-        block_max = tl.max(x, axis=0)
-        block_idx = tl.min(tl.where(x == block_max, offs, VOCAB), axis=0).to(tl.int64)
-        # Strictly greater: the first index wins ties, as in torch.argmax.
-        best_idx = tl.where(block_max > best, block_idx, best_idx)
-        best = tl.maximum(best, block_max)
+        best, best_idx = _running_argmax(x, offs, best, best_idx, VOCAB)
     if is_greedy:
         tl.store(out_ptr + row, best_idx)
         return
@@ -128,9 +151,7 @@ def _sample_kernel(
         min_p = tl.load(min_p_ptr + row)
         floor = tl.where(min_p > 0, best + tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
 
-    seed = tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)
-    step = tl.load(step_ptr + row).to(tl.uint64, bitcast=True)
-    hash_key = _mix64(_mix64(seed + GOLDEN, 3) ^ step, 3)
+    hash_key = _row_key(seed_ptr, step_ptr, row)
     best = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.full([], 0, tl.int64)
     for start in range(0, VOCAB, BLOCK):
@@ -138,15 +159,8 @@ def _sample_kernel(
         x, valid = _load_scaled(row_ptr, offs, temperature, VOCAB)
         key = _order_key(x)
         keep = valid & (key >= cut_k) & (key >= cut_p) & (x >= floor)
-        bits = _mix64(hash_key + (offs.to(tl.uint64) + 1) * GOLDEN, 2)
-        # The top 23 bits as the sampler's signed shift sees them, shifted to [0, 2^23).
-        top = ((bits >> 41) ^ (1 << 22)).to(tl.float32)
-        u = (top + 0.5) * (2.0**-23)  # exact, never 0 or 1
-        score = tl.where(keep, x + -tl.log(-tl.log(u)), float("-inf"))
-        block_max = tl.max(score, axis=0)
-        block_idx = tl.min(tl.where(score == block_max, offs, VOCAB), axis=0).to(tl.int64)
-        best_idx = tl.where(block_max > best, block_idx, best_idx)
-        best = tl.maximum(best, block_max)
+        score = tl.where(keep, x + _gumbel(hash_key, offs), float("-inf"))
+        best, best_idx = _running_argmax(score, offs, best, best_idx, VOCAB)
     tl.store(out_ptr + row, best_idx)
 
 
@@ -161,24 +175,16 @@ def _draw_chunk_kernel(
     row_ptr = logits_ptr + row.to(tl.int64) * stride_l
     is_greedy = tl.load(greedy_ptr + row) != 0
     temperature = tl.where(is_greedy, 1.0, tl.load(temp_ptr + row).to(tl.float32))
-    seed = tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)
-    step = tl.load(step_ptr + row).to(tl.uint64, bitcast=True)
-    hash_key = _mix64(_mix64(seed + GOLDEN, 3) ^ step, 3)
+    hash_key = _row_key(seed_ptr, step_ptr, row)
     best = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.full([], 0, tl.int64)
     first = chunk * CHUNK
     for start in range(first, first + CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x, valid = _load_scaled(row_ptr, offs, temperature, VOCAB)
-        bits = _mix64(hash_key + (offs.to(tl.uint64) + 1) * GOLDEN, 2)
-        top = ((bits >> 41) ^ (1 << 22)).to(tl.float32)
-        u = (top + 0.5) * (2.0**-23)
-        noisy = tl.where(valid, x + -tl.log(-tl.log(u)), float("-inf"))
+        noisy = tl.where(valid, x + _gumbel(hash_key, offs), float("-inf"))
         score = tl.where(is_greedy, x, noisy)
-        block_max = tl.max(score, axis=0)
-        block_idx = tl.min(tl.where(score == block_max, offs, VOCAB), axis=0).to(tl.int64)
-        best_idx = tl.where(block_max > best, block_idx, best_idx)
-        best = tl.maximum(best, block_max)
+        best, best_idx = _running_argmax(score, offs, best, best_idx, VOCAB)
     tl.store(best_ptr + row * NUM_CHUNKS + chunk, best)
     tl.store(best_idx_ptr + row * NUM_CHUNKS + chunk, best_idx)
 
