@@ -21,6 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_gemv import projections  # noqa: E402
 from benchmarks.bench_offline import grpo_workload, nano_workload, random_workload  # noqa: E402
 from rollout.config import EngineOptions  # noqa: E402
 from rollout.engine.forward_batch import ForwardMode  # noqa: E402
@@ -37,12 +38,11 @@ BYTES = 2  # bf16 weights and KV
 
 def model_sizes(cfg: dict) -> tuple[int, int, int]:
     """(parameters a token's forward multiplies, KV bytes per token, attention width q x layers)."""
-    hidden, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
-    heads = cfg["num_attention_heads"]
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv_heads = cfg.get("num_key_value_heads", heads)
-    head_dim = cfg.get("head_dim") or hidden // heads
-    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
-    params = layers * per_layer + cfg["vocab_size"] * hidden  # the LM head; the embedding is a lookup
+    # The layers' projections and the LM head; the embedding is a lookup.
+    params = sum(n * k * (1 if name == "lm_head" else layers) for name, n, k, _ in projections(cfg))
     kv_bytes = 2 * layers * kv_heads * head_dim * BYTES
     return params, kv_bytes, layers * heads * head_dim
 
