@@ -112,7 +112,7 @@ def main() -> None:
             kernels[name] = (lambda w: lambda x: w.run(x, cache))(wrapper)
         except Exception as e:  # noqa: BLE001 - report which variant is unavailable
             print(json.dumps({"kernel": name, "error": str(e)[:200]}))
-    splits = choose_num_splits(n, args.batch)
+    splits = choose_num_splits(n)
     kernels["triton"] = lambda x: decode_attention(x, k_cache, v_cache, req_to_token, rows, seq_lens, scale, splits)
 
     ref = reference(q, k_cache, v_cache, req_to_token, lengths, scale) if args.check else None

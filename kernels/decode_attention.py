@@ -1,14 +1,11 @@
 """Paged decode attention: one new query token per request over its whole KV history.
 
 The keys of a request are cut into pieces, each attended by its own program (split-KV), so a
-few long sequences still fill the GPU; `merge_attention_parts` then combines the pieces. A
-request's cut depends on its own length and on the batch size's class only (`keys_per_split`:
-small batches cut into short pieces to use every SM, large ones into long pieces that stream
-their keys without per-piece overhead). A class ends at a power of two from 16 up, which is a
-CUDA-graph batch size, so a step replayed from a graph padded to the next captured size cuts
-every request as an eager step of its real size does: the same output bit for bit.
-One program serves all query heads that share a KV head (GQA), so each K/V row is read once
-per group rather than once per query head.
+few long sequences still fill the GPU; `merge_attention_parts` then combines the pieces. How a
+request is cut depends on its own length only (one piece per MIN_KEYS_PER_SPLIT keys, at most
+MAX_SPLITS): its output is the same bit for bit whatever else is in the batch and whether the
+step replays a CUDA graph or runs eagerly. One program serves all query heads that share a KV
+head (GQA), so each K/V row is read once per group rather than once per query head.
 """
 
 from __future__ import annotations
@@ -21,12 +18,11 @@ from rollout_kernels.attention_merge import merge_attention_parts
 from rollout_kernels.paged_inputs import check_paged_inputs
 from rollout_kernels.precision import dot_precision
 
-# Keys per piece up to batch 16: one bf16 tile, so a short request still spreads over many
-# programs (at batch 1, 256-key pieces left most SMs idle); the size doubles past batch 16, 32,
-# 64 and 128, to LONGEST_SPLIT (at batch 256, 64-key pieces streamed K/V at 2.55 TB/s against
-# 3.0 for whole requests).
-SHORTEST_SPLIT = 64
-LONGEST_SPLIT = 1024
+# One bf16 tile of keys per piece. A short request at a small batch then still spreads over
+# many programs (at batch 1, 256-key pieces left most SMs idle: Qwen2.5-7B decoded 3% slower),
+# and a batch of very different lengths splits into even work (the nano workload ran 8.3 s with
+# 64-key pieces, 9.3-9.6 s with 256-key pieces or with longer pieces for larger batches).
+MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 16
 
 
@@ -37,8 +33,8 @@ def _decode_split_kernel(
     sm_scale,
     stride_qb, stride_qh, stride_ct, stride_ch, stride_rt,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    split_keys,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MIN_KEYS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -47,7 +43,7 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     row = tl.load(req_pool_ptr + b).to(tl.int64)
     # This request's own cut; programs past it find no keys and report an empty part.
-    pieces = tl.minimum(tl.maximum(tl.cdiv(seq_len, split_keys), 1), NUM_SPLITS)
+    pieces = tl.minimum(tl.maximum(tl.cdiv(seq_len, MIN_KEYS), 1), NUM_SPLITS)
     split_len = tl.cdiv(seq_len, pieces)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -93,18 +89,11 @@ def _decode_split_kernel(
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
 
 
-def keys_per_split(batch_size: int) -> int:
-    """The piece length a decode batch of `batch_size` requests cuts keys into: SHORTEST_SPLIT
-    up to 16, doubling past 16, 32, 64 and 128 (LONGEST_SPLIT from 129)."""
-    doublings = max(0, min((batch_size - 1).bit_length() - 4, (LONGEST_SPLIT // SHORTEST_SPLIT).bit_length() - 1))
-    return SHORTEST_SPLIT << doublings
-
-
-def choose_num_splits(max_seq_len: int, batch_size: int) -> int:
-    """The `num_splits` that cuts every request of a batch of `batch_size` whose longest
-    sequence has `max_seq_len` keys its own way (at most MAX_SPLITS pieces). A CUDA graph, which
-    may replay for any length, uses choose_num_splits(max context, its batch size)."""
-    return max(1, min(MAX_SPLITS, triton.cdiv(max_seq_len, keys_per_split(batch_size))))
+def choose_num_splits(max_seq_len: int) -> int:
+    """The `num_splits` that cuts every request of a batch whose longest sequence has
+    `max_seq_len` keys its own way (one piece per MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS).
+    A CUDA graph, which may replay for any length, uses choose_num_splits(max context)."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
 
 
 def decode_attention(
@@ -125,8 +114,8 @@ def decode_attention(
     with no keys (a padding row) gets zeros.
 
     `num_splits` bounds the pieces a request's keys are cut into: from choose_num_splits(its
-    length, B) on, the result is the same bit for bit; below, it differs by float rounding only.
-    A fixed value keeps the launch shape fixed (CUDA graphs), whatever the sequence lengths."""
+    length) on, the result is the same bit for bit; below, it differs by float rounding only. A
+    fixed value keeps the launch shape fixed (CUDA graphs), whatever the sequence lengths."""
     b, heads, dim = q.shape
     check_paged_inputs("decode_attention", q, k_cache, v_cache, req_to_token, "B")
     kv_heads = k_cache.shape[1]
@@ -147,8 +136,8 @@ def decode_attention(
         sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
-        keys_per_split(b),
         GROUP=group, HEAD_DIM=dim, DOT_PRECISION=dot_precision(q.dtype), NUM_SPLITS=num_splits,
+        MIN_KEYS=MIN_KEYS_PER_SPLIT,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
     )
     merge_attention_parts(parts, lse, out)

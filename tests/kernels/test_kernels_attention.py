@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from paged_fixtures import make_paged_batch, reference_attention  # noqa: E402
 
 from rollout_kernels.attention_merge import merge_attention_parts  # noqa: E402
-from rollout_kernels.decode_attention import choose_num_splits, decode_attention, keys_per_split  # noqa: E402
+from rollout_kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
 from rollout_kernels.extend_attention import extend_attention  # noqa: E402
 from rollout_kernels.kv_store import store_kv  # noqa: E402
 
@@ -40,53 +40,35 @@ def test_decode_attention_split_count_does_not_change_result(device):
     args = (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, 0.25)
     one = decode_attention(*args, num_splits=1)
     torch.testing.assert_close(decode_attention(*args, num_splits=2), one)
-    # From the request's own cut (600 keys at batch 2: 10 pieces) on, more splits change no
-    # bit: a CUDA graph's fixed split count gives what an eager step gives.
-    own = decode_attention(*args, num_splits=choose_num_splits(600, 2))
-    assert choose_num_splits(600, 2) == 10
+    # From the request's own cut (600 keys: 10 pieces) on, more splits change no bit: a CUDA
+    # graph's fixed split count gives what an eager step gives.
+    own = decode_attention(*args, num_splits=choose_num_splits(600))
+    assert choose_num_splits(600) == 10
     assert torch.equal(decode_attention(*args, num_splits=13), own)
     assert torch.equal(decode_attention(*args, num_splits=16), own)
     torch.testing.assert_close(own, one)
 
 
-def test_decode_attention_of_a_request_does_not_depend_on_the_rest_of_its_batch(device):
-    # Batch sizes 1 and 3 cut keys alike (keys_per_split); a batch padded with keyless rows
-    # (a CUDA graph's) gives its real rows what the unpadded batch gives them.
+def test_decode_attention_of_a_request_does_not_depend_on_its_batch(device):
     batch = make_paged_batch([600, 17, 290], [1, 1, 1], 4, 2, 16, torch.float32, device, seed=5)
     full = decode_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
-        batch.seq_lens, 0.25, num_splits=choose_num_splits(600, 3),
+        batch.seq_lens, 0.25, num_splits=choose_num_splits(600),
     )
     for i in range(3):
         alone = decode_attention(
             batch.q[i : i + 1], batch.k_cache, batch.v_cache, batch.req_to_token,
             batch.req_pool_indices[i : i + 1], batch.seq_lens[i : i + 1], 0.25,
-            num_splits=choose_num_splits(int(batch.seq_lens[i]), 1),
+            num_splits=choose_num_splits(int(batch.seq_lens[i])),
         )
         assert torch.equal(alone[0], full[i])
-    padded_q = torch.cat([batch.q, batch.q[:1]])
+    # A CUDA graph's padding rows have no keys and leave the real rows' bits alone.
     padded = decode_attention(
-        padded_q, batch.k_cache, batch.v_cache, batch.req_to_token,
+        torch.cat([batch.q, batch.q[:1]]), batch.k_cache, batch.v_cache, batch.req_to_token,
         torch.cat([batch.req_pool_indices, batch.req_pool_indices[:1]]),
         torch.cat([batch.seq_lens, torch.zeros_like(batch.seq_lens[:1])]), 0.25, num_splits=16,
     )
     assert torch.equal(padded[:3], full)
-
-
-def test_decode_attention_cuts_long_pieces_for_large_batches(device):
-    # Past batch 16 a piece holds more keys: fewer parts, the same attention up to rounding.
-    sizes = (1, 16, 17, 32, 33, 64, 65, 128, 129, 256)
-    assert [keys_per_split(b) for b in sizes] == [64, 64, 128, 128, 256, 256, 512, 512, 1024, 1024]
-    batch = make_paged_batch([300] * 17, [1] * 17, 4, 2, 16, torch.float32, device, seed=6)
-    args = (batch.req_to_token, batch.req_pool_indices, batch.seq_lens, 0.25)
-    big = decode_attention(batch.q, batch.k_cache, batch.v_cache, *args, num_splits=choose_num_splits(300, 17))
-    assert choose_num_splits(300, 17) == 3 and choose_num_splits(300, 1) == 5
-    small = decode_attention(
-        batch.q[:1], batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices[:1],
-        batch.seq_lens[:1], 0.25, num_splits=5,
-    )
-    torch.testing.assert_close(big[:1], small)
-    torch.testing.assert_close(big.cpu().double(), reference_attention(batch, 0.25), atol=2e-5, rtol=2e-5)
 
 
 def test_decode_attention_gives_padding_rows_zeros(device):
@@ -102,10 +84,9 @@ def test_decode_attention_gives_padding_rows_zeros(device):
 
 
 def test_choose_num_splits():
-    assert choose_num_splits(50, 1) == 1  # short: one split is enough
-    assert choose_num_splits(300, 1) == 5  # one per 64 keys at a small batch
-    assert choose_num_splits(300, 256) == 1  # one per 1024 keys at a large one
-    assert choose_num_splits(1 << 20, 1) == 16  # capped
+    assert choose_num_splits(50) == 1  # short: one split is enough
+    assert choose_num_splits(300) == 5  # one per 64 keys
+    assert choose_num_splits(1 << 20) == 16  # capped
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ def test_decode_attention_real_heads_bf16(model):
     seq_lens = [rng.randint(1, 4096) for _ in range(48)] + [8191]
     batch = make_paged_batch(seq_lens, [1] * len(seq_lens), heads, kv_heads, 128, torch.bfloat16, "cuda")
     want = reference_attention(batch, 128**-0.5)
-    for splits in (1, choose_num_splits(max(seq_lens), len(seq_lens)), 16):
+    for splits in (1, choose_num_splits(max(seq_lens)), 16):
         out = decode_attention(
             batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
             batch.seq_lens, 128**-0.5, num_splits=splits,

@@ -40,7 +40,7 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, fb: ForwardBatch) -> None:
         self.seq_lens, self.req_rows = fb.seq_lens, fb.req_pool_indices
         if fb.mode is ForwardMode.DECODE:
-            self.num_splits = choose_num_splits(max(fb.seq_lens_cpu), fb.batch_size)
+            self.num_splits = choose_num_splits(max(fb.seq_lens_cpu))
             return
         self.extend_starts = torch.cumsum(fb.extend_lens, 0) - fb.extend_lens  # [B], on the device
         self.max_extend_len = max(fb.extend_lens_cpu)
@@ -64,8 +64,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.seq_lens = self._graph_seq_lens[:padded_batch_size]
         self.req_rows = self._graph_req_rows[:padded_batch_size]
         # Fixed: the graph replays the launch shape it captured, for any length (each request
-        # is still cut as in an eager step of the real batch: see keys_per_split).
-        self.num_splits = choose_num_splits(self.shape.max_context_len, padded_batch_size)
+        # is still cut by its own length, as in an eager step).
+        self.num_splits = choose_num_splits(self.shape.max_context_len)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
