@@ -8,7 +8,9 @@ layer's decode attention with CUDA events: FlashInfer's tensor-core decode (what
 backend runs), FlashInfer's CUDA-core decode (GQA group sizes 1-4 and 8 only), and the Triton
 kernel of the triton backend. Bandwidth = K and V bytes read / time. Prints one JSON line per
 kernel; `--check` also compares each against the torch reference and a strided q (a view
-into a fused qkv output) against a contiguous one.
+into a fused qkv output) against a contiguous one. `--spread` draws each request's length
+uniformly from [1, 2 x context] instead (a workload's mix); `--split-keys 64 1024` times the
+Triton kernel once per piece length (keys per split-KV piece) instead of its default.
 """
 
 from __future__ import annotations
@@ -63,30 +65,35 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--spread", action="store_true", help="lengths uniform in [1, 2 x context]")
+    parser.add_argument("--split-keys", type=int, nargs="*", default=[], help="Triton piece lengths to time")
     args = parser.parse_args()
     import flashinfer
 
-    from rollout_kernels.decode_attention import choose_num_splits, decode_attention
+    from rollout_kernels import decode_attention as triton_decode
 
     torch.manual_seed(0)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     b, h, hkv, d, n = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
-    slots_total = b * n + 1
+    lengths = torch.randint(1, 2 * n + 1, (b,)).tolist() if args.spread else [n] * b
+    slots_total = sum(lengths) + 1
     k_cache = torch.randn(slots_total, hkv, d, dtype=dtype, device=dev)
     v_cache = torch.randn(slots_total, hkv, d, dtype=dtype, device=dev)
-    perm = torch.randperm(slots_total - 1, device=dev) + 1
-    req_to_token = perm.view(b, n)  # [B, context] int64
-    lengths = [n] * b
-    seq_lens = torch.full((b,), n, dtype=torch.int64, device=dev)
+    # Each request's slots scattered over the pool; slot 0 pads the rows of shorter requests.
+    perm = (torch.randperm(slots_total - 1, device=dev) + 1).split(lengths)
+    req_to_token = torch.zeros(b, max(lengths), dtype=torch.int64, device=dev)
+    for i, slots in enumerate(perm):
+        req_to_token[i, : lengths[i]] = slots
+    seq_lens = torch.tensor(lengths, dtype=torch.int64, device=dev)
     rows = torch.arange(b, device=dev)
     qkv = torch.randn(b, (h + 2 * hkv) * d, dtype=dtype, device=dev)
     q_strided = qkv[:, : h * d].view(b, h, d)
     q = q_strided.contiguous()
     scale = d**-0.5
-    kv_bytes = 2 * b * n * hkv * d * k_cache.element_size()
+    kv_bytes = 2 * sum(lengths) * hkv * d * k_cache.element_size()
 
-    indptr = torch.arange(0, (b + 1) * n, n, dtype=torch.int32)
-    indices = req_to_token.reshape(-1).to(torch.int32)
+    indptr = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    indices = torch.cat(perm).to(torch.int32)
     last = torch.ones(b, dtype=torch.int32)
     cache = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
     kernels = {}
@@ -112,14 +119,27 @@ def main() -> None:
             kernels[name] = (lambda w: lambda x: w.run(x, cache))(wrapper)
         except Exception as e:  # noqa: BLE001 - report which variant is unavailable
             print(json.dumps({"kernel": name, "error": str(e)[:200]}))
-    splits = choose_num_splits(n)
-    kernels["triton"] = lambda x: decode_attention(x, k_cache, v_cache, req_to_token, rows, seq_lens, scale, splits)
+    def triton_kernel(split_keys: int | None):
+        def run(x: torch.Tensor) -> torch.Tensor:
+            default = triton_decode.MIN_KEYS_PER_SPLIT
+            if split_keys is not None:
+                triton_decode.MIN_KEYS_PER_SPLIT = split_keys
+            try:
+                splits = triton_decode.choose_num_splits(max(lengths))
+                return triton_decode.decode_attention(x, k_cache, v_cache, req_to_token, rows, seq_lens, scale, splits)
+            finally:
+                triton_decode.MIN_KEYS_PER_SPLIT = default
+
+        return run
+
+    for keys in args.split_keys or [None]:
+        kernels["triton" if keys is None else f"triton-{keys}"] = triton_kernel(keys)
 
     ref = reference(q, k_cache, v_cache, req_to_token, lengths, scale) if args.check else None
     for name, fn in kernels.items():
         ms = time_ms(lambda fn=fn: fn(q))
         row = {
-            "kernel": name, "batch": b, "context": n, "heads": h, "kv_heads": hkv,
+            "kernel": name, "batch": b, "context": n, "spread": args.spread, "heads": h, "kv_heads": hkv,
             "us": round(ms * 1000, 1), "TB/s": round(kv_bytes / ms / 1e9, 3),
         }
         if args.check:

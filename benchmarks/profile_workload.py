@@ -125,7 +125,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument(
+        "--decode-split-keys", type=int,
+        help="keys per piece of the Triton decode kernel's split-KV (to compare piece lengths)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.decode_split_keys is not None:
+        from rollout_kernels import decode_attention
+
+        decode_attention.MIN_KEYS_PER_SPLIT = args.decode_split_keys  # before graphs are captured
     dummy = not os.path.isdir(args.model)
     model = write_config_checkpoint(args.model, tempfile.mkdtemp()) if dummy else args.model
     options = EngineOptions.from_kwargs(
@@ -146,7 +154,8 @@ def main() -> None:
     start = time.perf_counter()
     steps = run(sched, *workload())
     total = time.perf_counter() - start
-    print(f"{args.workload} on {args.model}: {total:.2f} s, {len(steps)} steps")
+    keys = "" if args.decode_split_keys is None else f", decode pieces of {args.decode_split_keys} keys"
+    print(f"{args.workload} on {args.model}: {total:.2f} s, {len(steps)} steps{keys}")
     decode = [size for mode, size, *_ in steps if mode == "decode"]
     if decode:
         print(f"mean decode batch {sum(decode) / len(decode):.1f}; scheduler stats {sched.stats}")
