@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_gemv import projections  # noqa: E402
-from benchmarks.bench_offline import grpo_workload, nano_workload, random_workload  # noqa: E402
+from benchmarks.bench_offline import fixed_workload, grpo_workload, nano_workload, random_workload  # noqa: E402
 from rollout.config import EngineOptions  # noqa: E402
 from rollout.engine.forward_batch import ForwardMode  # noqa: E402
 from rollout.engine.kv_pool import ReqToTokenPool  # noqa: E402
@@ -80,7 +80,7 @@ class RooflineRunner:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(REAL_CONFIGS))
-    parser.add_argument("--workload", choices=["nano", "grpo", "random"], default="random")
+    parser.add_argument("--workload", choices=["nano", "grpo", "random", "fixed"], default="random")
     parser.add_argument("--num-seqs", type=int, default=500)
     parser.add_argument("--input-len", type=int, default=4096)
     parser.add_argument("--output-len", type=int, default=2048)
@@ -97,6 +97,8 @@ def main() -> None:
     elif args.workload == "grpo":
         prompts, params = grpo_workload(args.num_seqs, args.output_len)
         args.input_len = 512
+    elif args.workload == "fixed":
+        prompts, params = fixed_workload(args.num_seqs, args.input_len, args.output_len)
     else:
         prompts, params = random_workload(args.num_seqs, args.input_len, args.output_len, 0.0)
     runner = RooflineRunner(args, REAL_CONFIGS[args.model])
