@@ -67,6 +67,10 @@ def main() -> None:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--spread", action="store_true", help="lengths uniform in [1, 2 x context]")
     parser.add_argument("--split-keys", type=int, nargs="*", default=[], help="Triton piece lengths to time")
+    parser.add_argument(
+        "--triton-configs", nargs="*", default=[],
+        help="Triton launches to time, each BLOCK_N,num_warps,num_stages (e.g. 64,4,3 128,8,2)",
+    )  # fmt: skip
     args = parser.parse_args()
     import flashinfer
 
@@ -119,21 +123,29 @@ def main() -> None:
             kernels[name] = (lambda w: lambda x: w.run(x, cache))(wrapper)
         except Exception as e:  # noqa: BLE001 - report which variant is unavailable
             print(json.dumps({"kernel": name, "error": str(e)[:200]}))
-    def triton_kernel(split_keys: int | None):
+    def triton_kernel(split_keys: int | None, config: dict):
         def run(x: torch.Tensor) -> torch.Tensor:
             default = triton_decode.MIN_KEYS_PER_SPLIT
             if split_keys is not None:
                 triton_decode.MIN_KEYS_PER_SPLIT = split_keys
             try:
                 splits = triton_decode.choose_num_splits(max(lengths))
-                return triton_decode.decode_attention(x, k_cache, v_cache, req_to_token, rows, seq_lens, scale, splits)
+                return triton_decode.decode_attention(
+                    x, k_cache, v_cache, req_to_token, rows, seq_lens, scale, splits, **config
+                )
             finally:
                 triton_decode.MIN_KEYS_PER_SPLIT = default
 
         return run
 
+    configs = {"": {}}
+    for text in args.triton_configs:
+        block_n, warps, stages = (int(v) for v in text.split(","))
+        configs[f"-n{block_n}w{warps}s{stages}"] = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
     for keys in args.split_keys or [None]:
-        kernels["triton" if keys is None else f"triton-{keys}"] = triton_kernel(keys)
+        for suffix, config in configs.items():
+            name = ("triton" if keys is None else f"triton-{keys}") + suffix
+            kernels[name] = triton_kernel(keys, config)
 
     ref = reference(q, k_cache, v_cache, req_to_token, lengths, scale) if args.check else None
     for name, fn in kernels.items():

@@ -106,6 +106,9 @@ def decode_attention(
     sm_scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """q: [B, H, D] (head dim contiguous), the query of each request's newest token;
     k_cache, v_cache: [slots, Hkv, D] contiguous; req_to_token: [rows, max_context] with the
@@ -115,7 +118,9 @@ def decode_attention(
 
     `num_splits` bounds the pieces a request's keys are cut into: from choose_num_splits(its
     length) on, the result is the same bit for bit; below, it differs by float rounding only. A
-    fixed value keeps the launch shape fixed (CUDA graphs), whatever the sequence lengths."""
+    fixed value keeps the launch shape fixed (CUDA graphs), whatever the sequence lengths.
+    block_n (keys per loop step; 64, or 32 in float32, by default; it also moves the rounding),
+    num_warps and num_stages tune the launch (benchmarks/bench_attention.py --triton-configs)."""
     b, heads, dim = q.shape
     check_paged_inputs("decode_attention", q, k_cache, v_cache, req_to_token, "B")
     kv_heads = k_cache.shape[1]
@@ -129,7 +134,8 @@ def decode_attention(
     lse = torch.empty((b, heads, num_splits), dtype=torch.float32, device=q.device)
     # tl.dot needs every tile dim >= 16; padded heads and dims are masked out.
     block_d = max(16, triton.next_power_of_2(dim))
-    block_n = 32 if q.dtype == torch.float32 else 64
+    if block_n is None:
+        block_n = 32 if q.dtype == torch.float32 else 64
     _decode_split_kernel[(b, kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         parts, lse,
@@ -139,6 +145,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=dim, DOT_PRECISION=dot_precision(q.dtype), NUM_SPLITS=num_splits,
         MIN_KEYS=MIN_KEYS_PER_SPLIT,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages,
     )
     merge_attention_parts(parts, lse, out)
     return out
