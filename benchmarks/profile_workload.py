@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--decode-attention-backend", default="auto")
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument(
@@ -138,6 +140,7 @@ def main() -> None:
     model = write_config_checkpoint(args.model, tempfile.mkdtemp()) if dummy else args.model
     options = EngineOptions.from_kwargs(
         model_path=model, load_format="dummy" if dummy else "auto", dtype=args.dtype,
+        attention_backend=args.attention_backend, decode_attention_backend=args.decode_attention_backend,
         disable_overlap_schedule=args.disable_overlap_schedule,
     )  # fmt: skip
     sched = SchedulerProcess(options).scheduler

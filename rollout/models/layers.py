@@ -159,17 +159,6 @@ class MergedLinear(Linear):
         return rows
 
 
-def rotate_qk(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, Hkv, D]; cos, sin: [T, 1, D/2]. The fused path rotates q and k in
-    place (views into the qkv output included) in one launch and returns them."""
-    if fused:
-        kernel("rotary").apply_rotary_inplace(q, k, cos, sin)
-        return q, k
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
 class SiluAndMulMLP(FusedOps, nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()

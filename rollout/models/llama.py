@@ -17,8 +17,8 @@ from rollout.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SiluAndMulMLP,
+    apply_rotary,
     linear,
-    rotate_qk,
 )
 
 # Checkpoint tensors that hold nothing to load (some older Llama checkpoints carry them).
@@ -56,12 +56,16 @@ class DecoderAttention(FusedOps, nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        # q, k, v may be strided views of the qkv output: the kernels read them in place.
+        if self.fused:
+            # One launch norms (Qwen3) and rotates q and k and stores k and v.
+            norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            return self.o_proj(self.attn(q, k, v, fb, rope=rope, qk_norm=norm))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate_qk(q, k, *rope, fused=self.fused)
-        # q, k, v may be strided views of the qkv output: the backends read them in place.
-        out = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), fb)
-        return self.o_proj(out)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return self.o_proj(self.attn(q, k, v, fb))
 
 
 class DecoderLayer(nn.Module):

@@ -1,4 +1,5 @@
-"""Fused RMSNorm, rotary embedding and SiLU-and-mul against the model layers they stand for.
+"""Fused RMSNorm, rotary embedding (with the q/k norm and KV store it can fold in) and
+SiLU-and-mul against the model layers and kernels they stand for.
 
 Float32 must agree to rounding; bfloat16 to one bf16 step (Triton's interpreter rounds
 float32 -> bf16 by truncation, the GPU to nearest)."""
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from rollout.models.layers import RMSNorm, apply_rotary  # noqa: E402
+from rollout_kernels.kv_store import store_kv  # noqa: E402
 from rollout_kernels.rmsnorm import rms_norm  # noqa: E402
 from rollout_kernels.rotary import apply_rotary_inplace  # noqa: E402
 from rollout_kernels.silu_and_mul import silu_and_mul  # noqa: E402
@@ -80,6 +82,52 @@ def test_rotary_matches_layer_on_qkv_views(device, dtype, dim):
     torch.testing.assert_close(q, want_q, **_tol(dtype))
     torch.testing.assert_close(k, want_k, **_tol(dtype))
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v is left alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [32, 24])
+def test_rotary_with_qk_norm_and_kv_store_matches_the_separate_steps(device, dtype, dim):
+    """One launch for Qwen3's q_norm/k_norm, the rotation and the KV store: as the layers and
+    store_kv do it one after another."""
+    gen = torch.Generator().manual_seed(4)
+    t, heads, kv_heads, slots = 6, 4, 2, 20
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * dim, generator=gen) * 2).to(device, dtype)
+    q = qkv[:, : heads * dim].view(t, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
+    norms = [RMSNorm(dim, eps=1e-6) for _ in range(2)]
+    for layer in norms:
+        layer.weight.data = torch.randn(dim, generator=gen) * 0.5 + 1
+    q_norm, k_norm = (layer.to(device, dtype) for layer in norms)
+    freqs = torch.arange(t, dtype=torch.float32)[:, None] * torch.rand(dim // 2, generator=gen)
+    cos, sin = freqs.cos()[:, None, :].to(device), freqs.sin()[:, None, :].to(device)
+    loc = torch.randperm(slots - 1, generator=gen)[:t].add(1).to(device)
+    with torch.no_grad():
+        want_q, want_k = apply_rotary(q_norm(q), cos, sin), apply_rotary(k_norm(k), cos, sin)
+    want_k_cache = torch.zeros(slots, kv_heads, dim, dtype=dtype, device=device)
+    want_v_cache = torch.zeros_like(want_k_cache)
+    store_kv(want_k, v, want_k_cache, want_v_cache, loc)
+    k_cache, v_cache = torch.zeros_like(want_k_cache), torch.zeros_like(want_v_cache)
+    apply_rotary_inplace(
+        q, k, cos, sin, norm=(q_norm.weight, k_norm.weight, 1e-6), store=(v, k_cache, v_cache, loc)
+    )
+    # bf16 rounds three times on the way (norm, weight, rotation): up to three bf16 steps.
+    tol = _tol(dtype) if dtype == torch.float32 else {"rtol": 2.4e-2, "atol": 2e-2}
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(k, want_k, **tol)
+    torch.testing.assert_close(k_cache, want_k_cache, **tol)
+    assert torch.equal(v_cache, want_v_cache)  # v is copied, not changed
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert not k_cache[untouched.to(device)].any()  # nothing written outside loc
+
+
+def test_rotary_rejects_a_cache_of_other_heads(device):
+    q, k = torch.zeros(2, 4, 8, device=device), torch.zeros(2, 2, 8, device=device)
+    cos = torch.zeros(2, 4, device=device)
+    cache = torch.zeros(5, 3, 8, device=device)
+    with pytest.raises(ValueError, match=r"caches of \[slots, 2, 8\]"):
+        apply_rotary_inplace(q, k, cos, cos, store=(k, cache, cache, torch.zeros(2, dtype=torch.int64, device=device)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -48,11 +48,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """q: [T, H, D], k and v: [T, Hkv, D] for the new tokens, possibly strided views (the
-        head dim is contiguous). Stores k, v in the KV pool for `layer.layer_id`, then returns
-        the attention output [T, H, D]."""
+        head dim is contiguous). Stores k, v in the KV pool for `layer.layer_id` (unless
+        kv_stored: the caller's rotary launch already did), then returns the attention output
+        [T, H, D]."""
 
 
 class Attention(nn.Module):
@@ -70,8 +72,26 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        # q: [T, H, D], k/v: [T, Hkv, D], any token and head strides (views into a fused qkv
-        # projection's output), the head dim contiguous -> [T, H*D]
-        out = fb.attn_backend.forward(q, k, v, self, fb)
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D], any token and head strides (views into a fused qkv
+        projection's output), the head dim contiguous -> [T, H*D].
+
+        With rope = (cos, sin) (the fused-kernel path, backends other than torch), q and k
+        arrive unrotated: one launch norms them (qk_norm = (q weight, k weight, eps), Qwen3),
+        rotates them in place and stores k and v in the KV pool, so the backend only attends."""
+        kv_stored = rope is not None
+        if kv_stored:
+            from rollout_kernels.rotary import apply_rotary_inplace
+
+            store = (v, fb.kv_pool.k[self.layer_id], fb.kv_pool.v[self.layer_id], fb.out_cache_loc)
+            apply_rotary_inplace(q, k, *rope, norm=qk_norm, store=store)
+        out = fb.attn_backend.forward(q, k, v, self, fb, kv_stored=kv_stored)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -172,7 +172,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- per-layer ---------------------------------------------------------------------------
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         if layer.scaling != self.shape.scaling:
             raise ValueError(
@@ -180,7 +181,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                 f"for {self.shape.scaling}"
             )
         k_cache, v_cache = fb.kv_pool.k[layer.layer_id], fb.kv_pool.v[layer.layer_id]
-        store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)  # one launch for K and V
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)  # one launch for K and V
         # [num_slots + 1, page_size 1, kv_heads, head_dim]
         cache = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
         if fb.mode is ForwardMode.DECODE:

@@ -30,6 +30,7 @@ class HybridAttentionBackend(AttentionBackend):
         self.decode.prepare_graph(padded_batch_size, fb)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        return self._for(fb).forward(q, k, v, layer, fb)
+        return self._for(fb).forward(q, k, v, layer, fb, kv_stored)

@@ -27,9 +27,11 @@ class TorchAttentionBackend(AttentionBackend):
         self.slots = torch.where(self.valid, rows, torch.zeros_like(rows))
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        fb.kv_pool.store(layer.layer_id, fb.out_cache_loc, k, v)
+        if not kv_stored:
+            fb.kv_pool.store(layer.layer_id, fb.out_cache_loc, k, v)
         k_cache, v_cache = fb.kv_pool.k[layer.layer_id], fb.kv_pool.v[layer.layer_id]
         if fb.mode is ForwardMode.DECODE:
             return self._decode(q, k_cache, v_cache, layer)

@@ -68,11 +68,13 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_splits = choose_num_splits(self.shape.max_context_len)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]
         k_cache, v_cache = fb.kv_pool.k[layer.layer_id], fb.kv_pool.v[layer.layer_id]
-        store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)
         if fb.mode is ForwardMode.DECODE:
             return decode_attention(
                 q, k_cache, v_cache, fb.req_to_token, self.req_rows, self.seq_lens,
