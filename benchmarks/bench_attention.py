@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--fused-merge", action="store_true", help="Triton: merge in the decode launch (counters)")
     parser.add_argument(
         "--triton-configs", nargs="*", default=[],
-        help="Triton launches to time, each BLOCK_N,num_warps,num_stages (e.g. 64,4,3 128,8,2)",
+        help="Triton launches to time, each BLOCK_N,num_warps,num_stages[,h] (e.g. 64,4,3 128,8,2 64,4,3,h; h: heads first)",
     )  # fmt: skip
     args = parser.parse_args()
     import flashinfer
@@ -144,8 +144,10 @@ def main() -> None:
     counters = torch.zeros(b, hkv, dtype=torch.int32, device=dev) if args.fused_merge else None
     configs = {"": {}}
     for text in args.triton_configs:
-        block_n, warps, stages = (int(v) for v in text.split(","))
-        configs[f"-n{block_n}w{warps}s{stages}"] = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+        block_n, warps, stages, *order = text.split(",")
+        configs[f"-n{block_n}w{warps}s{stages}{''.join(order)}"] = {
+            "block_n": int(block_n), "num_warps": int(warps), "num_stages": int(stages), "heads_first": order == ["h"],
+        }  # fmt: skip
     for keys in args.split_keys or [None]:
         for suffix, config in configs.items():
             name = ("triton" if keys is None else f"triton-{keys}") + suffix + ("-fm" if args.fused_merge else "")

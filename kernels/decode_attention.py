@@ -36,11 +36,15 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_ct, stride_ch, stride_rt,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_cb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MIN_KEYS: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    MIN_KEYS: tl.constexpr, FUSED_MERGE: tl.constexpr, HEADS_FIRST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # consecutive programs: the KV heads of one request's piece (adjacent bytes)
+        kv_head = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     row = tl.load(req_pool_ptr + b).to(tl.int64)
@@ -128,6 +132,7 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 3,
     counters: torch.Tensor | None = None,
+    heads_first: bool = False,
 ) -> torch.Tensor:
     """q: [B, H, D] (head dim contiguous), the query of each request's newest token;
     k_cache, v_cache: [slots, Hkv, D] contiguous; req_to_token: [rows, max_context] with the
@@ -139,7 +144,8 @@ def decode_attention(
     length) on, the result is the same bit for bit; below, it differs by float rounding only. A
     fixed value keeps the launch shape fixed (CUDA graphs), whatever the sequence lengths.
     block_n (keys per loop step; 64, or 32 in float32, by default; it also moves the rounding),
-    num_warps and num_stages tune the launch (benchmarks/bench_attention.py --triton-configs).
+    num_warps and num_stages tune the launch (benchmarks/bench_attention.py --triton-configs);
+    heads_first launches a piece's KV heads one after another rather than the batch's requests.
 
     counters: int32 zeros of [>= B, Hkv] (contiguous rows) that outlive the call, e.g. a
     backend's: the last program of each (request, KV head) then merges the pieces itself, with
@@ -171,7 +177,8 @@ def decode_attention(
         )
     if out.stride(-1) != 1 or out.shape != q.shape:
         raise ValueError(f"decode_attention needs out shaped like q {tuple(q.shape)} with a contiguous head dim")
-    _decode_split_kernel[(b, kv_heads, num_splits)](
+    grid = (kv_heads, b, num_splits) if heads_first else (b, kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         parts, lse, out, counters if fused_merge else lse,
         sm_scale,
@@ -179,7 +186,7 @@ def decode_attention(
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), counters.stride(0) if fused_merge else 0,
         GROUP=group, HEAD_DIM=dim, DOT_PRECISION=dot_precision(q.dtype), NUM_SPLITS=num_splits,
-        MIN_KEYS=MIN_KEYS_PER_SPLIT, FUSED_MERGE=fused_merge,
+        MIN_KEYS=MIN_KEYS_PER_SPLIT, FUSED_MERGE=fused_merge, HEADS_FIRST=heads_first,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=num_warps, num_stages=num_stages,

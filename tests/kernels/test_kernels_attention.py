@@ -97,6 +97,8 @@ def test_decode_attention_merges_in_its_own_launch_with_counters(device):
         assert torch.equal(got, want)
         assert not counters.any()
     assert torch.equal(got[3], torch.zeros_like(got[3]))
+    # Launching a piece's KV heads first changes the order programs run in, not the result.
+    assert torch.equal(decode_attention(*args, num_splits=16, counters=counters, heads_first=True), want)
     with pytest.raises(ValueError, match=r"counters of int32 \[>= 4, 2\]"):
         decode_attention(*args, num_splits=16, counters=torch.zeros(2, 2, dtype=torch.int32, device=device))
 
