@@ -1,6 +1,9 @@
 """Profiles decode steps of the scheduler in-process: wall time per step and the top ops.
 
     python benchmarks/profile_step.py --model qwen3-0.6b --batch 64 --prompt-len 256
+
+With --extend it profiles the prefill of the batch's prompts instead (chunked as the
+scheduler chunks them): wall time per extend step and the top ops over all of them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--cprofile", action="store_true", help="also print the Python functions taking the host's time")
+    parser.add_argument("--extend", action="store_true", help="profile the prompts' prefill steps instead of decode")
     args = parser.parse_args()
     options = {
         "dtype": args.dtype,
@@ -47,11 +51,18 @@ def main() -> None:
     assert args.model in REAL_CONFIGS or os.path.isdir(args.model)
     proc = SchedulerProcess(EngineOptions.from_kwargs(model_path=model, **options))
     sched = proc.scheduler
+    if args.extend:  # first compiles and lazy initialisation outside the profile
+        sched.add_request(TokenizedRequest("warm-up", [1, 2, 3], SamplingParams(max_new_tokens=1), seed=0))
+        while sched.has_work():
+            sched.step()
     rng = random.Random(0)
     for i in range(args.batch):
         ids = [rng.randrange(10000) for _ in range(args.prompt_len)]
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_new_tokens=4 * args.steps)
         sched.add_request(TokenizedRequest(f"r{i}", ids, params, seed=i))
+    if args.extend:
+        profile_extend(sched, args.batch * args.prompt_len)
+        return
     while sched.waiting or sched.chunked:
         sched.step()
     for _ in range(3):
@@ -83,6 +94,24 @@ def main() -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+def profile_extend(sched, prompt_tokens: int) -> None:
+    """The scheduler's prefill of every waiting prompt, under the profiler."""
+    torch.cuda.synchronize()
+    steps = 0
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        start = time.perf_counter()
+        while sched.waiting or sched.chunked:
+            sched.step()
+            steps += 1
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    print(f"prefill of {prompt_tokens} prompt tokens: {steps} steps, {seconds * 1000 / steps:.2f} ms/step, "
+          f"{prompt_tokens / seconds:.0f} tok/s (profiled)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
 if __name__ == "__main__":
