@@ -36,14 +36,14 @@ from rollout.real_configs import REAL_CONFIGS  # noqa: E402
 BYTES = 2  # bf16 weights and KV
 
 
-def model_sizes(cfg: dict) -> tuple[int, int, int]:
+def model_sizes(cfg: dict, kv_element_bytes: int = BYTES) -> tuple[int, int, int]:
     """(parameters a token's forward multiplies, KV bytes per token, attention width q x layers)."""
     layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv_heads = cfg.get("num_key_value_heads", heads)
     # The layers' projections and the LM head; the embedding is a lookup.
     params = sum(n * k * (1 if name == "lm_head" else layers) for name, n, k, _ in projections(cfg))
-    kv_bytes = 2 * layers * kv_heads * head_dim * BYTES
+    kv_bytes = 2 * layers * kv_heads * head_dim * kv_element_bytes
     return params, kv_bytes, layers * heads * head_dim
 
 
@@ -54,7 +54,7 @@ class RooflineRunner:
         self.num_slots = args.kv_tokens
         self.context_length = args.input_len + args.output_len + 1
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 1, self.context_length + 1, "cpu")
-        self.params, self.kv_bytes, self.attn_width = model_sizes(cfg)
+        self.params, self.kv_bytes, self.attn_width = model_sizes(cfg, args.kv_element_bytes)
         self.bandwidth, self.flops = args.bandwidth, args.flops
         self.seconds = {"prefill": 0.0, "decode": 0.0}
         self.decode_batches: list[int] = []
@@ -86,6 +86,10 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=2048)
     parser.add_argument("--kv-tokens", type=int, required=True, help="KV pool size, as the engine reports it")
     parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument(
+        "--kv-element-bytes", type=int, default=BYTES,
+        help="bytes per cached K/V element (2: bf16; 1: an 8-bit cache, with twice the --kv-tokens in the same memory)",
+    )  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s (H100: 3.0e12 measured copy)")
     parser.add_argument("--flops", type=float, default=7.5e14, help="prefill FLOP/s reached (bf16; an H100 reached ~7.5e14 on Llama-3.1-8B)")
     parser.add_argument("--disable-radix-cache", action="store_true")
