@@ -4,8 +4,10 @@
 # Each SPEC is a benchmark name and its arguments, e.g.
 #   "latency --model qwen2.5-7b --compare hf"   -> python benchmarks/bench_latency.py ...
 #   "offline --model qwen3-0.6b --workload nano" -> python benchmarks/bench_offline.py ...
-# FlashInfer compiles its kernels on first use (minutes). The compiled kernels are saved to
-# $OUT/flashinfer-jit.tgz; carry that file as .jit/flashinfer-jit.tgz to skip compiling next time.
+# FlashInfer compiles its kernels on first use (minutes), Triton its own (seconds each, in every
+# process of a fresh machine). The compiled kernels are saved to $OUT/flashinfer-jit.tgz and
+# $OUT/triton-cache.tgz; carry them as .jit/ files of the same names to skip compiling next time
+# (commands run after this script: export TRITON_CACHE_DIR=/tmp/triton-cache to use the cache).
 # GPU_TESTS (default: the GPU test files) and TEST_TIMEOUT pick what pytest runs; GPU_TESTS=none skips it.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -13,10 +15,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 ln -sfn "$PWD/kernels" /tmp/site/rollout_kernels
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" "$FLASHINFER_WORKSPACE_BASE"
+mkdir -p "$OUT" "$FLASHINFER_WORKSPACE_BASE" "$TRITON_CACHE_DIR"
 if [ -f .jit/flashinfer-jit.tgz ]; then
   tar -xzf .jit/flashinfer-jit.tgz -C "$FLASHINFER_WORKSPACE_BASE" && echo "restored FlashInfer JIT cache"
+fi
+if [ -f .jit/triton-cache.tgz ]; then
+  tar -xzf .jit/triton-cache.tgz -C "$TRITON_CACHE_DIR" && echo "restored Triton cache"
 fi
 date -u +%Y-%m-%dT%H:%MZ
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -29,6 +35,9 @@ if [ "$GPU_TESTS" != none ]; then
 fi
 save_jit_cache() {
   tar -czf "$OUT/flashinfer-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null && ls -la "$OUT/flashinfer-jit.tgz"
+  tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null && ls -la "$OUT/triton-cache.tgz"
+  # What a device call can carry is limited (64 MiB with the wheels): a larger cache is dropped.
+  find "$OUT" -maxdepth 1 -name triton-cache.tgz -size +30M -print -delete
 }
 save_jit_cache
 for spec in "$@"; do
