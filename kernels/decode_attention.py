@@ -167,16 +167,17 @@ def decode_attention(
     if block_n is None:
         block_n = 32 if q.dtype == torch.float32 else 64
     fused_merge = counters is not None
-    if fused_merge and (
-        counters.dtype != torch.int32 or counters.dim() != 2 or counters.shape[0] < b
-        or counters.shape[1] != kv_heads or counters.stride(1) != 1 or counters.device != q.device
-    ):  # fmt: skip
-        raise ValueError(
-            f"decode_attention needs counters of int32 [>= {b}, {kv_heads}] on {q.device} with "
-            f"contiguous rows; got {counters.dtype} {tuple(counters.shape)} on {counters.device}"
-        )
-    if out.stride(-1) != 1 or out.shape != q.shape:
-        raise ValueError(f"decode_attention needs out shaped like q {tuple(q.shape)} with a contiguous head dim")
+    if fused_merge:  # (without, merge_attention_parts checks out)
+        if (
+            counters.dtype != torch.int32 or counters.dim() != 2 or counters.shape[0] < b
+            or counters.shape[1] != kv_heads or counters.stride(1) != 1 or counters.device != q.device
+        ):  # fmt: skip
+            raise ValueError(
+                f"decode_attention needs counters of int32 [>= {b}, {kv_heads}] on {q.device} with "
+                f"contiguous rows; got {counters.dtype} {tuple(counters.shape)} on {counters.device}"
+            )
+        if out.stride(-1) != 1 or out.shape != q.shape:
+            raise ValueError(f"decode_attention needs out shaped like q {tuple(q.shape)} with a contiguous head dim")
     grid = (kv_heads, b, num_splits) if heads_first else (b, kv_heads, num_splits)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,

@@ -12,6 +12,13 @@ import triton.language as tl
 
 
 @triton.jit
+def weighted_norm(x, inv_rms, w, dtype):
+    """x * inv_rms rounded to `dtype`, then times the weight w, in float32: where
+    layers.RMSNorm rounds (the rotary kernel's q/k norm rounds the same way)."""
+    return (x * inv_rms).to(dtype).to(tl.float32) * w
+
+
+@triton.jit
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_xh, stride_r, stride_o, stride_ro,
@@ -33,9 +40,9 @@ def _rmsnorm_kernel(
         tl.store(res_out_ptr + row * stride_ro + cols, summed, mask=mask)
         x = summed.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / DIM + eps)
-    normed = (x * inv_rms).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    out = weighted_norm(x, inv_rms, w, dtype)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.rmsnorm import weighted_norm
+
 
 @triton.jit
 def _rotate_heads(x_ptr, stride_t, stride_h, t, cos, sin, w_ptr, eps,
@@ -32,8 +34,8 @@ def _rotate_heads(x_ptr, stride_t, stride_h, t, cos, sin, w_ptr, eps,
         inv_rms = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(w_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-        a = ((a * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        b = ((b * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        a = weighted_norm(a, inv_rms, w1, dtype).to(dtype).to(tl.float32)
+        b = weighted_norm(b, inv_rms, w2, dtype).to(dtype).to(tl.float32)
     new1 = (a * cos - b * sin).to(dtype)
     new2 = (b * cos + a * sin).to(dtype)
     tl.store(ptr, new1, mask=mask)
