@@ -10,8 +10,7 @@ kernel of the triton backend. Bandwidth = K and V bytes read / time. Prints one 
 kernel; `--check` also compares each against the torch reference and a strided q (a view
 into a fused qkv output) against a contiguous one. `--spread` draws each request's length
 uniformly from [1, 2 x context] instead (a workload's mix); `--split-keys 64 1024` times the
-Triton kernel once per piece length (keys per split-KV piece) instead of its default;
-`--fused-merge` has it merge the pieces in its own launch (as the engine runs it).
+Triton kernel once per piece length (keys per split-KV piece) instead of its default.
 """
 
 from __future__ import annotations
@@ -68,10 +67,9 @@ def main() -> None:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--spread", action="store_true", help="lengths uniform in [1, 2 x context]")
     parser.add_argument("--split-keys", type=int, nargs="*", default=[], help="Triton piece lengths to time")
-    parser.add_argument("--fused-merge", action="store_true", help="Triton: merge in the decode launch (counters)")
     parser.add_argument(
         "--triton-configs", nargs="*", default=[],
-        help="Triton launches to time, each BLOCK_N,num_warps,num_stages[,h] (e.g. 64,4,3 128,8,2 64,4,3,h; h: heads first)",
+        help="Triton launches to time, each BLOCK_N,num_warps,num_stages (e.g. 64,4,3 128,8,2)",
     )  # fmt: skip
     args = parser.parse_args()
     import flashinfer
@@ -125,7 +123,6 @@ def main() -> None:
             kernels[name] = (lambda w: lambda x: w.run(x, cache))(wrapper)
         except Exception as e:  # noqa: BLE001 - report which variant is unavailable
             print(json.dumps({"kernel": name, "error": str(e)[:200]}))
-
     def triton_kernel(split_keys: int | None, config: dict):
         def run(x: torch.Tensor) -> torch.Tensor:
             default = triton_decode.MIN_KEYS_PER_SPLIT
@@ -134,23 +131,22 @@ def main() -> None:
             try:
                 splits = triton_decode.choose_num_splits(max(lengths))
                 return triton_decode.decode_attention(
-                    x, k_cache, v_cache, req_to_token, rows, seq_lens, scale, splits, counters=counters, **config
+                    x, k_cache, v_cache, req_to_token, rows, seq_lens, scale, splits, **config
                 )
             finally:
                 triton_decode.MIN_KEYS_PER_SPLIT = default
 
         return run
 
-    counters = torch.zeros(b, hkv, dtype=torch.int32, device=dev) if args.fused_merge else None
     configs = {"": {}}
     for text in args.triton_configs:
-        block_n, warps, stages, *order = text.split(",")
-        configs[f"-n{block_n}w{warps}s{stages}{''.join(order)}"] = {
-            "block_n": int(block_n), "num_warps": int(warps), "num_stages": int(stages), "heads_first": order == ["h"],
+        block_n, warps, stages = text.split(",")
+        configs[f"-n{block_n}w{warps}s{stages}"] = {
+            "block_n": int(block_n), "num_warps": int(warps), "num_stages": int(stages),
         }  # fmt: skip
     for keys in args.split_keys or [None]:
         for suffix, config in configs.items():
-            name = ("triton" if keys is None else f"triton-{keys}") + suffix + ("-fm" if args.fused_merge else "")
+            name = ("triton" if keys is None else f"triton-{keys}") + suffix
             kernels[name] = triton_kernel(keys, config)
 
     ref = reference(q, k_cache, v_cache, req_to_token, lengths, scale) if args.check else None

@@ -9,38 +9,6 @@ import triton.language as tl
 
 
 @triton.jit
-def merge_head(
-    part_row, lse_row, out_row, stride_ps,
-    NUM_PARTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Merges one head of one request: part_row + s * stride_ps is part s's [D] output, lse_row
-    + s its log-sum-exp; writes the [D] result at out_row. Also the decode kernel's own merge,
-    so both give the same bits. Parts are read from L2 (.cg): another program wrote them."""
-    parts = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    dmask = dims < HEAD_DIM
-    top = tl.max(tl.load(lse_row + parts, mask=parts < NUM_PARTS, other=float("-inf"), cache_modifier=".cg"), axis=0)
-    top = tl.where(top > float("-inf"), top, 0.0)  # no -inf - -inf when every part is empty
-    # Part by part, in order: trailing empty parts add exact zeros, so a larger NUM_PARTS with
-    # the same non-empty parts gives the same bits (a CUDA graph's fixed count vs an eager one).
-    acc = tl.zeros((BLOCK_D,), tl.float32)
-    total = tl.full([], 0.0, tl.float32)
-    for s in tl.static_range(NUM_PARTS):
-        lse = tl.load(lse_row + s, cache_modifier=".cg")
-        nonempty = lse > float("-inf")
-        # An empty part has weight 0 and need not have been written: whatever it holds (NaN
-        # included) is replaced by zeros.
-        weight = tl.where(nonempty, tl.exp(lse - top), 0.0)
-        part = tl.load(part_row + s * stride_ps + dims, mask=dmask, other=0.0, cache_modifier=".cg")
-        part = tl.where(nonempty, part, 0.0)
-        acc += part * weight
-        total += weight
-    # A row with no keys at all (CUDA-graph padding) has total 0: it gets zeros, not NaN.
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_row + dims, out.to(out_row.dtype.element_ty), mask=dmask)
-
-
-@triton.jit
 def _merge_kernel(
     part_ptr, lse_ptr, out_ptr,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -49,11 +17,29 @@ def _merge_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    merge_head(
-        part_ptr + b * stride_pb + h * stride_ph, lse_ptr + b * stride_lb + h * stride_lh,
-        out_ptr + b * stride_ob + h * stride_oh, stride_ps,
-        NUM_PARTS, HEAD_DIM, BLOCK_S, BLOCK_D,
-    )
+    parts = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < HEAD_DIM
+    lse_row = lse_ptr + b * stride_lb + h * stride_lh
+    top = tl.max(tl.load(lse_row + parts, mask=parts < NUM_PARTS, other=float("-inf")), axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # no -inf - -inf when every part is empty
+    # Part by part, in order: trailing empty parts add exact zeros, so a larger NUM_PARTS with
+    # the same non-empty parts gives the same bits (a CUDA graph's fixed count vs an eager one).
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    for s in tl.static_range(NUM_PARTS):
+        lse = tl.load(lse_row + s)
+        nonempty = lse > float("-inf")
+        # An empty part has weight 0 and need not have been written: whatever it holds (NaN
+        # included) is replaced by zeros.
+        weight = tl.where(nonempty, tl.exp(lse - top), 0.0)
+        part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s * stride_ps + dims, mask=dmask, other=0.0)
+        part = tl.where(nonempty, part, 0.0)
+        acc += part * weight
+        total += weight
+    # A row with no keys at all (CUDA-graph padding) has total 0: it gets zeros, not NaN.
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 def merge_attention_parts(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,8 +1,7 @@
 """Paged decode attention: one new query token per request over its whole KV history.
 
 The keys of a request are cut into pieces, each attended by its own program (split-KV), so a
-few long sequences still fill the GPU; `merge_attention_parts` then combines the pieces (or,
-given counters, the last program of each request and KV head does, in the same launch). How a
+few long sequences still fill the GPU; `merge_attention_parts` then combines the pieces. How a
 request is cut depends on its own length only (one piece per MIN_KEYS_PER_SPLIT keys, at most
 MAX_SPLITS): its output is the same bit for bit whatever else is in the batch and whether the
 step replays a CUDA graph or runs eagerly. One program serves all query heads that share a KV
@@ -15,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout_kernels.attention_merge import merge_attention_parts, merge_head
+from rollout_kernels.attention_merge import merge_attention_parts
 from rollout_kernels.paged_inputs import check_paged_inputs
 from rollout_kernels.precision import dot_precision
 
@@ -31,20 +30,16 @@ MAX_SPLITS = 16
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_pool_ptr, seq_lens_ptr,
-    part_ptr, lse_ptr, out_ptr, counter_ptr,
+    part_ptr, lse_ptr,
     sm_scale,
     stride_qb, stride_qh, stride_ct, stride_ch, stride_rt,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, stride_cb,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MIN_KEYS: tl.constexpr, FUSED_MERGE: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    MIN_KEYS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    if HEADS_FIRST:  # consecutive programs: the KV heads of one request's piece (adjacent bytes)
-        kv_head = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        kv_head = tl.program_id(1)
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     row = tl.load(req_pool_ptr + b).to(tl.int64)
@@ -93,22 +88,6 @@ def _decode_split_kernel(
     part_offs = b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + dims[None, :]
     tl.store(part_ptr + part_offs, out, mask=(hmask & nonempty)[:, None] & dmask[None, :])
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
-    if FUSED_MERGE:
-        # The last of this (request, KV head)'s programs to finish merges the parts, in order,
-        # as merge_attention_parts would, and leaves the counter at zero for the next launch.
-        # The barrier puts every thread's stores before the release of the ticket.
-        tl.debug_barrier()
-        counter = counter_ptr + b * stride_cb + kv_head
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == NUM_SPLITS - 1:
-            for g in tl.static_range(GROUP):
-                h = kv_head * GROUP + g
-                merge_head(
-                    part_ptr + b * stride_pb + h * stride_ph, lse_ptr + b * stride_lb + h * stride_lh,
-                    out_ptr + b * stride_ob + h * stride_oh, stride_ps,
-                    NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D,
-                )
-            tl.store(counter, 0)
 
 
 def choose_num_splits(max_seq_len: int) -> int:
@@ -131,8 +110,6 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
-    counters: torch.Tensor | None = None,
-    heads_first: bool = False,
 ) -> torch.Tensor:
     """q: [B, H, D] (head dim contiguous), the query of each request's newest token;
     k_cache, v_cache: [slots, Hkv, D] contiguous; req_to_token: [rows, max_context] with the
@@ -144,13 +121,7 @@ def decode_attention(
     length) on, the result is the same bit for bit; below, it differs by float rounding only. A
     fixed value keeps the launch shape fixed (CUDA graphs), whatever the sequence lengths.
     block_n (keys per loop step; 64, or 32 in float32, by default; it also moves the rounding),
-    num_warps and num_stages tune the launch (benchmarks/bench_attention.py --triton-configs);
-    heads_first launches a piece's KV heads one after another rather than the batch's requests.
-
-    counters: int32 zeros of [>= B, Hkv] (contiguous rows) that outlive the call, e.g. a
-    backend's: the last program of each (request, KV head) then merges the pieces itself, with
-    the merge kernel's arithmetic in the same order, and zeroes its counter again, saving the
-    merge launch. Without them a separate merge kernel runs."""
+    num_warps and num_stages tune the launch (benchmarks/bench_attention.py --triton-configs)."""
     b, heads, dim = q.shape
     check_paged_inputs("decode_attention", q, k_cache, v_cache, req_to_token, "B")
     kv_heads = k_cache.shape[1]
@@ -166,32 +137,16 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(dim))
     if block_n is None:
         block_n = 32 if q.dtype == torch.float32 else 64
-    fused_merge = counters is not None
-    if fused_merge:  # (without, merge_attention_parts checks out)
-        if (
-            counters.dtype != torch.int32 or counters.dim() != 2 or counters.shape[0] < b
-            or counters.shape[1] != kv_heads or counters.stride(1) != 1 or counters.device != q.device
-        ):  # fmt: skip
-            raise ValueError(
-                f"decode_attention needs counters of int32 [>= {b}, {kv_heads}] on {q.device} with "
-                f"contiguous rows; got {counters.dtype} {tuple(counters.shape)} on {counters.device}"
-            )
-        if out.stride(-1) != 1 or out.shape != q.shape:
-            raise ValueError(f"decode_attention needs out shaped like q {tuple(q.shape)} with a contiguous head dim")
-    grid = (kv_heads, b, num_splits) if heads_first else (b, kv_heads, num_splits)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(b, kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-        parts, lse, out, counters if fused_merge else lse,
+        parts, lse,
         sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), counters.stride(0) if fused_merge else 0,
         GROUP=group, HEAD_DIM=dim, DOT_PRECISION=dot_precision(q.dtype), NUM_SPLITS=num_splits,
-        MIN_KEYS=MIN_KEYS_PER_SPLIT, FUSED_MERGE=fused_merge, HEADS_FIRST=heads_first,
+        MIN_KEYS=MIN_KEYS_PER_SPLIT,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if not fused_merge:
-        merge_attention_parts(parts, lse, out)
+    merge_attention_parts(parts, lse, out)
     return out

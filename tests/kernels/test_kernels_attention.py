@@ -83,26 +83,6 @@ def test_decode_attention_gives_padding_rows_zeros(device):
     torch.testing.assert_close(out[0].cpu().double(), reference_attention(batch, 0.25)[0], atol=2e-5, rtol=2e-5)
 
 
-def test_decode_attention_merges_in_its_own_launch_with_counters(device):
-    # The last program of each (request, KV head) merges: the same bits as the merge kernel,
-    # counters back at zero, and so the same again on the next call over the same counters.
-    batch = make_paged_batch([600, 17, 290, 1], [1, 1, 1, 1], 4, 2, 16, torch.float32, device, seed=7)
-    seq_lens = batch.seq_lens.clone()
-    seq_lens[3] = 0  # a CUDA-graph padding row
-    args = (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices, seq_lens, 0.25)
-    want = decode_attention(*args, num_splits=16)
-    counters = torch.zeros(8, 2, dtype=torch.int32, device=device)
-    for _ in range(2):
-        got = decode_attention(*args, num_splits=16, counters=counters)
-        assert torch.equal(got, want)
-        assert not counters.any()
-    assert torch.equal(got[3], torch.zeros_like(got[3]))
-    # Launching a piece's KV heads first changes the order programs run in, not the result.
-    assert torch.equal(decode_attention(*args, num_splits=16, counters=counters, heads_first=True), want)
-    with pytest.raises(ValueError, match=r"counters of int32 \[>= 4, 2\]"):
-        decode_attention(*args, num_splits=16, counters=torch.zeros(2, 2, dtype=torch.int32, device=device))
-
-
 def test_choose_num_splits():
     assert choose_num_splits(50) == 1  # short: one split is enough
     assert choose_num_splits(300) == 5  # one per 64 keys

@@ -36,11 +36,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_splits = 1
         self._graph_seq_lens: torch.Tensor | None = None
         self._graph_req_rows: torch.Tensor | None = None
-        # Per (batch row, KV head): lets the decode kernel merge its pieces in its own launch.
-        # The kernel leaves them at zero; they live outside the releasable memory regions.
-        self.decode_counters = torch.zeros(
-            shape.max_batch_size, shape.num_kv_heads, dtype=torch.int32, device=device
-        )
 
     def prepare(self, fb: ForwardBatch) -> None:
         self.seq_lens, self.req_rows = fb.seq_lens, fb.req_pool_indices
@@ -83,7 +78,7 @@ class TritonAttentionBackend(AttentionBackend):
         if fb.mode is ForwardMode.DECODE:
             return decode_attention(
                 q, k_cache, v_cache, fb.req_to_token, self.req_rows, self.seq_lens,
-                layer.scaling, num_splits=self.num_splits, counters=self.decode_counters,
+                layer.scaling, num_splits=self.num_splits,
             )
         return extend_attention(
             q, k_cache, v_cache, fb.req_to_token, self.req_rows, self.seq_lens,
