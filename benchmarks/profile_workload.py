@@ -131,6 +131,7 @@ def main() -> None:
         "--decode-split-keys", type=int,
         help="keys per piece of the Triton decode kernel's split-KV (to compare piece lengths)",
     )  # fmt: skip
+    parser.add_argument("--triton-decode-max-batch", type=int, default=32)
     args = parser.parse_args()
     if args.decode_split_keys is not None:
         from rollout_kernels import decode_attention
@@ -141,6 +142,7 @@ def main() -> None:
     options = EngineOptions.from_kwargs(
         model_path=model, load_format="dummy" if dummy else "auto", dtype=args.dtype,
         attention_backend=args.attention_backend, decode_attention_backend=args.decode_attention_backend,
+        triton_decode_max_batch=args.triton_decode_max_batch,
         disable_overlap_schedule=args.disable_overlap_schedule,
     )  # fmt: skip
     sched = SchedulerProcess(options).scheduler
@@ -158,7 +160,7 @@ def main() -> None:
     steps = run(sched, *workload())
     total = time.perf_counter() - start
     keys = "" if args.decode_split_keys is None else f", decode pieces of {args.decode_split_keys} keys"
-    print(f"{args.workload} on {args.model}: {total:.2f} s, {len(steps)} steps{keys}")
+    print(f"{args.workload} on {args.model}: {total:.2f} s, {len(steps)} steps{keys}, decode on {sched.runner.decode_attention}")
     decode = [size for mode, size, *_ in steps if mode == "decode"]
     if decode:
         print(f"mean decode batch {sum(decode) / len(decode):.1f}; scheduler stats {sched.stats}")

@@ -34,8 +34,17 @@ class ModelOptions:
     )
     decode_attention_backend: str = _opt(
         "auto",
-        "attention implementation of decode steps: auto (triton where attention_backend resolves "
-        "to flashinfer, else the same as attention_backend), flashinfer, triton, torch",
+        "attention implementation of decode steps: auto (where attention_backend resolves to "
+        "flashinfer: triton for decode batches of up to triton_decode_max_batch rows, flashinfer "
+        "above; else the same as attention_backend), flashinfer, triton, torch",
+    )
+    # Inside the engine on an H100 (the nano workload on Qwen3-0.6B, benchmarks/RESULTS.md) the
+    # Triton decode kernel, which plans nothing on the host per step, took 1.4 ms a step at batch
+    # 1 where FlashInfer's took 1.9 ms, and FlashInfer's was faster from about 33 rows up.
+    triton_decode_max_batch: int = _opt(
+        32,
+        "with decode_attention_backend auto under flashinfer: the largest decode batch (a CUDA "
+        "graph's padded size) on the Triton decode kernel; 0: none",
     )
     skinny_gemm_max_rows: int = _opt(
         0,
@@ -76,6 +85,10 @@ class ModelOptions:
             raise ValueError(
                 f"decode_attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.decode_attention_backend!r}"
+            )
+        if self.triton_decode_max_batch < 0:
+            raise ValueError(
+                f"triton_decode_max_batch must be >= 0, got {self.triton_decode_max_batch}"
             )
         if not 0 <= self.skinny_gemm_max_rows <= SKINNY_GEMM_MAX_ROWS:
             raise ValueError(

@@ -61,20 +61,85 @@ def test_a_named_backend_that_cannot_run_here_says_why(packages):
     assert attention.resolve_attention_backend("torch", CPU, torch.float32) == "torch"
 
 
-def test_decode_runs_on_triton_under_flashinfer_by_default(packages):
+def test_small_decode_batches_run_on_triton_under_flashinfer_by_default(packages):
     packages("flashinfer", "triton")
-    assert attention.resolve_decode_backend("auto", "flashinfer", CUDA, torch.bfloat16) == "triton"
-    # Elsewhere decode stays on the attention backend itself.
-    assert attention.resolve_decode_backend("auto", "triton", CUDA, torch.float32) == "triton"
-    assert attention.resolve_decode_backend("auto", "torch", CPU, torch.float32) == "torch"
-    # Named explicitly, it is that backend, or a clear error.
-    assert attention.resolve_decode_backend("flashinfer", "flashinfer", CUDA, torch.bfloat16) == "flashinfer"
+    default = ModelOptions().triton_decode_max_batch
+    choice = attention.resolve_decode_backend("auto", "flashinfer", CUDA, torch.bfloat16, default)
+    assert choice == attention.DecodeChoice("triton", default)
+    # The default cut is a CUDA-graph batch size, so eager and replayed batches route alike.
+    assert default in graph_batch_sizes(256)
+    none = attention.resolve_decode_backend("auto", "flashinfer", CUDA, torch.bfloat16, 0)
+    assert none == attention.DecodeChoice("flashinfer")
+    # Elsewhere decode stays on the attention backend itself, for every batch.
+    assert attention.resolve_decode_backend("auto", "triton", CUDA, torch.float32, 32) == attention.DecodeChoice("triton")
+    assert attention.resolve_decode_backend("auto", "torch", CPU, torch.float32, 32) == attention.DecodeChoice("torch")
+    # Named explicitly, it is that backend for every batch, or a clear error.
+    named = attention.resolve_decode_backend("triton", "flashinfer", CUDA, torch.bfloat16, 32)
+    assert named == attention.DecodeChoice("triton")
     with pytest.raises(ValueError, match="decode_attention_backend='triton' cannot run here: it needs a CUDA"):
-        attention.resolve_decode_backend("triton", "torch", CPU, torch.float32)
+        attention.resolve_decode_backend("triton", "torch", CPU, torch.float32, 32)
     with pytest.raises(ValueError, match="decode_attention_backend must be one of auto, torch"):
-        attention.resolve_decode_backend("fast", "torch", CPU, torch.float32)
+        attention.resolve_decode_backend("fast", "torch", CPU, torch.float32, 32)
     packages("flashinfer")  # without triton, auto keeps decode on flashinfer
-    assert attention.resolve_decode_backend("auto", "flashinfer", CUDA, torch.bfloat16) == "flashinfer"
+    fallback = attention.resolve_decode_backend("auto", "flashinfer", CUDA, torch.bfloat16, 32)
+    assert fallback == attention.DecodeChoice("flashinfer")
+
+
+class _Recorder(attention.AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def prepare(self, fb):
+        self.calls.append((self.name, "prepare", fb.batch_size))
+
+    def prepare_graph(self, padded_batch_size, fb):
+        self.calls.append((self.name, "prepare_graph", padded_batch_size))
+
+    def forward(self, q, k, v, layer, fb, kv_stored=False):
+        self.calls.append((self.name, "forward", fb.batch_size))
+        return q
+
+
+def _batch(mode: ForwardMode, lens: list[int]) -> ForwardBatch:
+    n = torch.tensor(lens)
+    return ForwardBatch(
+        mode=mode, input_ids=torch.zeros(int(n.sum()), dtype=torch.int64), positions=None,
+        out_cache_loc=None, req_pool_indices=torch.arange(len(lens)), seq_lens=n, extend_lens=n,
+        req_to_token=None, kv_pool=None, attn_backend=None, seq_lens_cpu=lens, extend_lens_cpu=lens,
+    )  # fmt: skip
+
+
+def test_hybrid_backend_routes_decode_by_batch_size():
+    from rollout.engine.attention.hybrid_backend import HybridAttentionBackend
+
+    calls = []
+    hybrid = HybridAttentionBackend(_Recorder("extend", calls), _Recorder("decode", calls), decode_max_batch=2)
+    assert hybrid.supports_cuda_graph
+    for mode, lens in [(ForwardMode.EXTEND, [5]), (ForwardMode.DECODE, [3, 4]), (ForwardMode.DECODE, [3, 4, 5])]:
+        fb = _batch(mode, lens)
+        hybrid.prepare(fb)
+        hybrid.forward(None, None, None, None, fb)
+    hybrid.prepare_graph(2, None)  # a graph's batch is its padded size
+    hybrid.prepare_graph(4, _batch(ForwardMode.DECODE, [1]))
+    assert calls == [
+        ("extend", "prepare", 1), ("extend", "forward", 1),
+        ("decode", "prepare", 2), ("decode", "forward", 2),
+        ("extend", "prepare", 3), ("extend", "forward", 3),
+        ("decode", "prepare_graph", 2), ("extend", "prepare_graph", 4),
+    ]  # fmt: skip
+    # Without a cut, every decode batch is the decode backend's; graphs need both to capture
+    # only when the extend backend takes decode batches too.
+    calls.clear()
+    hybrid = HybridAttentionBackend(attention.create_attention_backend("torch"), _Recorder("decode", calls))
+    assert hybrid.supports_cuda_graph
+    hybrid.prepare(_batch(ForwardMode.DECODE, [1] * 300))
+    assert calls == [("decode", "prepare", 300)]
+    cut = HybridAttentionBackend(attention.create_attention_backend("torch"), _Recorder("decode", calls), 8)
+    assert not cut.supports_cuda_graph
+    with pytest.raises(ValueError, match="decode_max_batch must be >= 1"):
+        HybridAttentionBackend(_Recorder("extend", calls), _Recorder("decode", calls), 0)
 
 
 def test_options_validate_backend_and_graph_size():
@@ -88,6 +153,8 @@ def test_options_validate_backend_and_graph_size():
     assert ModelOptions().skinny_gemm_max_rows == 0
     with pytest.raises(ValueError, match="skinny_gemm_max_rows must be in 0..16, got 17"):
         ModelOptions(skinny_gemm_max_rows=17)
+    with pytest.raises(ValueError, match="triton_decode_max_batch must be >= 0, got -1"):
+        ModelOptions(triton_decode_max_batch=-1)
     with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 1, got 0"):
         ModelOptions(cuda_graph_max_bs=0)
     opts = EngineOptions.from_kwargs(model_path="m", disable_cuda_graph=True, cuda_graph_max_bs=64)

@@ -89,16 +89,18 @@ def _assert_same_greedy(
 
 @pytest.fixture(scope="module")
 def runs(tiny_128) -> dict[str, list[dict]]:
-    """The same requests through the torch backend, and FlashInfer extend with decode on the
-    Triton kernel (decode_attention_backend's default), eager and with graphs, or on FlashInfer
-    with graphs."""
+    """The same requests through the torch backend, and FlashInfer extend with decode as
+    decode_attention_backend's default runs it (here Triton's kernel up to batch 4, FlashInfer's
+    above, so the shrinking batch crosses over), eager and with graphs, or on FlashInfer with
+    graphs."""
     if not package_imports("flashinfer"):
         pytest.skip("needs flashinfer")
     flashinfer_decode = {"attention_backend": "flashinfer", "decode_attention_backend": "flashinfer"}
+    mixed = {"attention_backend": "flashinfer", "triton_decode_max_batch": 4}
     return {
         "torch": _generate(tiny_128, attention_backend="torch"),
-        "eager": _generate(tiny_128, attention_backend="flashinfer", disable_cuda_graph=True),
-        "graphs": _generate(tiny_128, attention_backend="flashinfer", cuda_graph_max_bs=16),
+        "eager": _generate(tiny_128, **mixed, disable_cuda_graph=True),
+        "graphs": _generate(tiny_128, **mixed, cuda_graph_max_bs=16),
         "fi-graphs": _generate(tiny_128, **flashinfer_decode, cuda_graph_max_bs=16),
     }
 

@@ -82,8 +82,9 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(
             mopts.attention_backend, self.device, self.dtype
         )
-        self.decode_attention_backend = resolve_decode_backend(
-            mopts.decode_attention_backend, self.attention_backend, self.device, self.dtype
+        self.decode_attention = resolve_decode_backend(
+            mopts.decode_attention_backend, self.attention_backend, self.device, self.dtype,
+            mopts.triton_decode_max_batch,
         )
         shape = AttentionShape(
             num_heads=self.hf_config.num_attention_heads,
@@ -96,7 +97,7 @@ class ModelRunner:
             max_context_len=self.context_length,
         )
         self.attn_backend = create_attention_backend(
-            self.attention_backend, shape, self.decode_attention_backend
+            self.attention_backend, shape, self.decode_attention
         )
         # The GPU backends come with the Triton kernels for norms, rotary, SiLU-and-mul and
         # sampling; attention_backend="torch" stays all torch: it is the reference path.
@@ -112,7 +113,7 @@ class ModelRunner:
         logger.info(
             "attention backend %s (decode %s), decode CUDA graphs %s",
             self.attention_backend,
-            self.decode_attention_backend,
+            self.decode_attention,
             self.graph_runner.sizes if self.graph_runner else "off",
         )
 

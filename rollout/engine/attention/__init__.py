@@ -3,7 +3,8 @@
 A backend is registered with what it needs to run: a package beyond torch, a GPU, and the
 dtypes its kernels exist for. "auto" takes the first of AUTO_ORDER that can run here, else torch.
 Decode may run on another backend than extend (decode_attention_backend): "auto" there takes
-triton under flashinfer (DECODE_AUTO), else the attention backend itself.
+triton under flashinfer (DECODE_AUTO) for decode batches of up to a given size, and the
+attention backend itself for the rest.
 """
 
 from __future__ import annotations
@@ -58,10 +59,23 @@ BACKENDS: dict[str, BackendEntry] = {
     "triton": BackendEntry(_triton, package="triton", gpu_only=True),
 }
 AUTO_ORDER = ("flashinfer", "triton")
-# Decode's "auto" by the attention backend: the Triton decode kernel matched or beat FlashInfer's
-# inside CUDA graphs on an H100 at every measured shape (batch 1 to 256, Qwen3-0.6B, Qwen2.5-7B
-# and Llama-3.1-8B heads; benchmarks/RESULTS.md), and plans nothing on the host per step.
+# Decode's "auto" by the attention backend, for small decode batches (the triton_decode_max_batch
+# option says how small).
 DECODE_AUTO = {"flashinfer": "triton"}
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    """The backend decode steps run on, and the largest decode batch it takes (None: every
+    batch); larger ones run on the attention backend."""
+
+    backend: str
+    max_batch: int | None = None
+
+    def __str__(self) -> str:
+        if self.max_batch is None:
+            return self.backend
+        return f"{self.backend} up to batch {self.max_batch}"
 
 
 @functools.cache
@@ -110,40 +124,47 @@ def _named_backend(
 
 
 def resolve_decode_backend(
-    name: str, attention_backend: str, device: torch.device, dtype: torch.dtype
-) -> str:
-    """The backend decode runs on for option value `name`, given the resolved attention
-    backend; raises ValueError, naming why, when an explicitly named one cannot run here."""
+    name: str, attention_backend: str, device: torch.device, dtype: torch.dtype, auto_max_batch: int
+) -> DecodeChoice:
+    """Where decode runs for option value `name`, given the resolved attention backend and,
+    for "auto", the largest decode batch on DECODE_AUTO's backend; raises ValueError, naming
+    why, when an explicitly named backend cannot run here."""
     if name == "auto":
         preferred = DECODE_AUTO.get(attention_backend)
-        if preferred is not None and unavailable_reason(preferred, device, dtype) is None:
-            return preferred
-        return attention_backend
-    return _named_backend("decode_attention_backend", name, device, dtype)
+        runs = preferred is not None and unavailable_reason(preferred, device, dtype) is None
+        if runs and auto_max_batch > 0:
+            return DecodeChoice(preferred, auto_max_batch)
+        return DecodeChoice(attention_backend)
+    return DecodeChoice(_named_backend("decode_attention_backend", name, device, dtype))
 
 
 def create_attention_backend(
-    name: str, shape: AttentionShape | None = None, decode: str | None = None
+    name: str, shape: AttentionShape | None = None, decode: DecodeChoice | str | None = None
 ) -> AttentionBackend:
     """Builds backend `name` (already resolved, not "auto") for a model of `shape`, with decode
-    on backend `decode` when that differs; backends that size nothing by the model (torch) need
-    no shape."""
-    for backend in (name, decode or name):
+    steps on `decode` (a backend name: all of them) where that differs; backends that size
+    nothing by the model (torch) need no shape."""
+    if not isinstance(decode, DecodeChoice):
+        decode = DecodeChoice(decode or name)
+    for backend in (name, decode.backend):
         if backend not in BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
             )
-    if decode is None or decode == name:
+    if decode.backend == name:
         return BACKENDS[name].create(shape)
     from rollout.engine.attention.hybrid_backend import HybridAttentionBackend
 
-    return HybridAttentionBackend(BACKENDS[name].create(shape), BACKENDS[decode].create(shape))
+    return HybridAttentionBackend(
+        BACKENDS[name].create(shape), BACKENDS[decode.backend].create(shape), decode.max_batch
+    )
 
 
 __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionShape",
+    "DecodeChoice",
     "create_attention_backend",
     "resolve_attention_backend",
     "resolve_decode_backend",
