@@ -148,3 +148,22 @@ def test_captured_graph_survives_release_and_resume():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+def test_release_and_resume_keep_decode_graphs_on_both_kernels(tmp_path):
+    # The default bf16 engine replays decode graphs of Triton's kernel (up to 32 rows) and
+    # FlashInfer's (above): after giving its memory back and taking it again, both still give
+    # the tokens they gave before.
+    pytest.importorskip("torch_memory_saver")
+    if not package_imports("flashinfer"):
+        pytest.skip("needs flashinfer")
+    path = make_tiny_model(str(tmp_path / "tiny"), "qwen3", seed=5, head_dim=128)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 800) for _ in range(rng.randint(3, 60))] for _ in range(40)]
+    params = [{"temperature": 0, "ignore_eos": True, "max_new_tokens": 2 + i % 12} for i in range(40)]
+    with RolloutEngine(path, dtype="bfloat16", device="cuda", enable_weights_cpu_backup=True) as engine:
+        before = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        engine.release_memory_occupation()
+        engine.resume_memory_occupation()
+        after = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    assert after == before
