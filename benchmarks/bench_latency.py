@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from benchmarks.hf_baseline import hf_generate_seconds, load_hf_model  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402
+from rollout.engine.kv_pool import kv_cache_dtype  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
 
 
@@ -42,8 +43,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20)
     return 2 * nbytes * iters / (time.perf_counter() - start)
 
 
-def bytes_per_decode_step(model_path: str, dtype: torch.dtype, context: float) -> tuple[int, int]:
-    """(weight bytes, KV bytes) one batch-1 decode step reads at `context` tokens of KV."""
+def bytes_per_decode_step(
+    model_path: str, dtype: torch.dtype, context: float, kv_dtype: torch.dtype | None = None
+) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one batch-1 decode step reads at `context` tokens of KV held
+    in kv_dtype (None: dtype)."""
     from transformers import AutoConfig
 
     from rollout.engine.kv_pool import KVPool
@@ -57,7 +61,7 @@ def bytes_per_decode_step(model_path: str, dtype: torch.dtype, context: float) -
         weights -= embed.numel() * embed.element_size()  # only one row of it is read
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_token = KVPool.bytes_per_token(config.num_hidden_layers, kv_heads, head_dim, dtype)
+    per_token = KVPool.bytes_per_token(config.num_hidden_layers, kv_heads, head_dim, kv_dtype or dtype)
     return weights, int(per_token * context)
 
 
@@ -94,6 +98,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--skinny-gemm-max-rows", type=int, default=0)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
     args = parser.parse_args()
     if args.output_len < 2:
@@ -105,6 +110,7 @@ def main() -> None:
         "attention_backend": args.attention_backend,
         "disable_cuda_graph": args.disable_cuda_graph,
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
+        "kv_cache_dtype": args.kv_cache_dtype,
         # Every run prefills the same prompt from scratch.
         "disable_radix_cache": True,
         "max_total_tokens": 8 * (args.input_len + args.output_len),
@@ -118,7 +124,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     prompt = [(7 * i) % 10000 + 3 for i in range(args.input_len)]
     context = args.input_len + args.output_len / 2
-    weight_bytes, kv_bytes = bytes_per_decode_step(model, dtype, context)
+    weight_bytes, kv_bytes = bytes_per_decode_step(model, dtype, context, kv_cache_dtype(args.kv_cache_dtype, dtype))
     copy_bw = copy_bandwidth(device)
 
     with RolloutEngine(model, **options) as engine:
@@ -139,6 +145,7 @@ def main() -> None:
         "attention_backend": args.attention_backend,
         "cuda_graph": not args.disable_cuda_graph,
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
+        "kv_cache_dtype": info["kv_cache_dtype"],
         "ttft_ms": round(ours["ttft_s"] * 1e3, 2),
         "decode_step_ms": round(ours["step_s"] * 1e3, 3),
         "decode_tok_per_s": round(1 / ours["step_s"], 1),

@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
     parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
     args = parser.parse_args()
 
     options: dict = {
@@ -103,6 +104,7 @@ def main() -> None:
         "attention_backend": args.attention_backend,
         "disable_cuda_graph": args.disable_cuda_graph,
         "disable_overlap_schedule": args.disable_overlap_schedule,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens
@@ -149,9 +151,11 @@ def main() -> None:
         "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
         "device": info["device"],
         "dtype": info["dtype"],
+        "kv_cache_dtype": info["kv_cache_dtype"],
         "max_total_tokens": info["max_total_tokens"],
         "radix_cache": not args.disable_radix_cache,
-        "attention_backend": args.attention_backend,
+        "attention_backend": info["attention_backend"],
+        "decode_attention": info["decode_attention"],
         "cuda_graph": not args.disable_cuda_graph,
         "overlap_schedule": not args.disable_overlap_schedule,
     }

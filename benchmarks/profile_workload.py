@@ -132,6 +132,7 @@ def main() -> None:
         help="keys per piece of the Triton decode kernel's split-KV (to compare piece lengths)",
     )  # fmt: skip
     parser.add_argument("--triton-decode-max-batch", type=int, default=32)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
     args = parser.parse_args()
     if args.decode_split_keys is not None:
         from rollout_kernels import decode_attention
@@ -142,7 +143,7 @@ def main() -> None:
     options = EngineOptions.from_kwargs(
         model_path=model, load_format="dummy" if dummy else "auto", dtype=args.dtype,
         attention_backend=args.attention_backend, decode_attention_backend=args.decode_attention_backend,
-        triton_decode_max_batch=args.triton_decode_max_batch,
+        triton_decode_max_batch=args.triton_decode_max_batch, kv_cache_dtype=args.kv_cache_dtype,
         disable_overlap_schedule=args.disable_overlap_schedule,
     )  # fmt: skip
     sched = SchedulerProcess(options).scheduler

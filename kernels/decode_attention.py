@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from rollout_kernels.attention_merge import merge_attention_parts
+from rollout_kernels.kv_store import from_cache_dtype
 from rollout_kernels.paged_inputs import check_paged_inputs
 from rollout_kernels.precision import dot_precision
 
@@ -71,13 +72,13 @@ def _decode_split_kernel(
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale
+        scores = tl.dot(q, tl.trans(from_cache_dtype(k, q.dtype)), input_precision=DOT_PRECISION) * sm_scale
         scores = tl.where(nmask[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), from_cache_dtype(v, q.dtype), input_precision=DOT_PRECISION)
         m = m_new
 
     # An empty split reports lse = -inf and writes no part: the merge gives it no weight and

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.kv_store import from_cache_dtype
 from rollout_kernels.paged_inputs import check_paged_inputs
 from rollout_kernels.precision import dot_precision
 
@@ -58,7 +59,7 @@ def _extend_kernel(
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale  # [M, N]
+        scores = tl.dot(q, tl.trans(from_cache_dtype(k, q.dtype)), input_precision=DOT_PRECISION) * sm_scale  # [M, N]
         visible = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         # Every row sees key 0, so after the first block m is finite and no exp gives NaN.
@@ -66,7 +67,7 @@ def _extend_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), from_cache_dtype(v, q.dtype), input_precision=DOT_PRECISION)
         m = m_new
 
     out = acc / denom[:, None]

@@ -1,10 +1,32 @@
-"""KV-cache store: writes the new tokens' K and V into their slots of the paged pool."""
+"""KV-cache store: writes the new tokens' K and V into their slots of the paged pool, cast to
+the pool's element type (an 8-bit float pool clamps to its range first)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def to_cache_dtype(x, cache_ptr):
+    """x cast for a store through cache_ptr; into an 8-bit float cache, clamped to the type's
+    finite range first, as rollout.engine.kv_pool.to_kv_dtype does."""
+    dtype = cache_ptr.dtype.element_ty
+    if dtype.is_fp8e4nv():
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    elif dtype.is_fp8e5():
+        x = tl.clamp(x.to(tl.float32), -57344.0, 57344.0)
+    return x.to(dtype)
+
+
+@triton.jit
+def from_cache_dtype(x, dtype: tl.constexpr):
+    """Cached keys or values x as `dtype` (the query's). An 8-bit float goes through float32,
+    exactly: Triton's interpreter converts 8-bit floats to bfloat16 wrongly."""
+    if x.dtype.is_fp8():
+        x = x.to(tl.float32)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -24,8 +46,8 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask)
     dst = slot * stride_ct + heads * stride_ch + dims
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache_dtype(k, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache_dtype(v, v_cache_ptr), mask=mask)
 
 
 def store_kv(

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.kv_store import to_cache_dtype
 from rollout_kernels.rmsnorm import weighted_norm
 
 
@@ -68,12 +69,11 @@ def _rotary_kernel(
         halves = cols[None, :]
         mask = (heads < K_HEADS) & (halves < HALF)
         dst = slot * stride_cache_t + heads * stride_cache_h + halves
-        cache_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
+        tl.store(k_cache_ptr + dst, to_cache_dtype(k1, k_cache_ptr), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, to_cache_dtype(k2, k_cache_ptr), mask=mask)
         src = v_ptr + t * stride_vt + heads * stride_vh + halves
-        tl.store(v_cache_ptr + dst, tl.load(src, mask=mask).to(cache_dtype), mask=mask)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=mask).to(cache_dtype), mask=mask)
+        tl.store(v_cache_ptr + dst, to_cache_dtype(tl.load(src, mask=mask), v_cache_ptr), mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, to_cache_dtype(tl.load(src + HALF, mask=mask), v_cache_ptr), mask=mask)
 
 
 def apply_rotary_inplace(

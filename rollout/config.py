@@ -17,6 +17,7 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 
 
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 SKINNY_GEMM_MAX_ROWS = 16  # rollout_kernels.skinny_gemm.MAX_ROWS (config does not import Triton)
 
 
@@ -105,8 +106,18 @@ class CacheOptions:
     )
     mem_fraction: float = _opt(0.85, "fraction of free GPU memory for weights, KV and graphs")
     disable_radix_cache: bool = _opt(False, "turn the radix prefix cache off")
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "element type of the KV cache: auto (the model's dtype), fp8_e4m3 or fp8_e5m2 (one byte "
+        "per element, no scaling: values beyond the format's range are clamped to it; twice the "
+        "tokens in the same memory and half the bytes each decode step reads, at some accuracy)",
+    )
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction < 1.0:

@@ -217,3 +217,30 @@ def test_admission_estimates_future_tokens_and_retracts_less(tiny_qwen2):
     assert runs[1.0][1] < runs[0.0][1], runs
     with pytest.raises(ValueError, match="schedule_conservativeness must be >= 0"):
         RolloutEngine(tiny_qwen2, device="cpu", schedule_conservativeness=-1)
+
+
+def test_an_fp8_kv_cache_serves_with_logprobs_near_the_full_cache(tiny_qwen2, engine):
+    # kv_cache_dtype="fp8_e4m3" stores keys and values in one byte each: the engine reports it,
+    # serves the same requests, and its logprobs of the full cache's tokens stay close.
+    prompts = [_ids(400 + i, 20 + 9 * i) for i in range(4)]
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    full = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    with RolloutEngine(tiny_qwen2, dtype="float32", device="cpu", max_total_tokens=4096, kv_cache_dtype="fp8_e4m3") as fp8:
+        info = fp8.get_server_info()
+        scored = fp8.generate(
+            input_ids=[p + o["output_ids"] for p, o in zip(prompts, full)],
+            sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0,
+        )
+        _assert_pool_whole(fp8)
+    assert info["kv_cache_dtype"] == "float8_e4m3fn" and info["dtype"] == "float32"
+    for p, o, s in zip(prompts, full, scored):
+        want = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
+        got = [lp for lp, _, _ in s["meta_info"]["input_token_logprobs"][len(p) :]]
+        assert len(got) == len(want)
+        # 3 mantissa bits move a tiny random model's logprobs by ~0.1 (at most 0.53 here);
+        # reading the wrong slots or values would move them by nats. The exact check of the
+        # rounding is in tests/kernels/test_kernels_triton_backend.py.
+        diffs = [abs(a - b) for a, b in zip(got, want)]
+        assert sum(diffs) / len(diffs) < 0.15 and max(diffs) < 1.0, diffs
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, fp8_e5m2, got 'int8'"):
+        RolloutEngine(tiny_qwen2, device="cpu", kv_cache_dtype="int8")

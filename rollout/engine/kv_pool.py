@@ -8,6 +8,27 @@ from __future__ import annotations
 
 import torch
 
+# kv_cache_dtype values other than "auto"; one byte per element, no scale.
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for option value `name` ("auto": the model's dtype)."""
+    if name == "auto":
+        return model_dtype
+    if name not in FP8_KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(FP8_KV_DTYPES)}, got {name!r}")
+    return FP8_KV_DTYPES[name]
+
+
+def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as stored in a cache of `dtype`: an 8-bit float type clamps to its range first (a cast
+    to e5m2 alone overflows to inf), as the Triton stores do (kernels/kv_store.py)."""
+    if dtype in FP8_KV_DTYPES.values():
+        bound = torch.finfo(dtype).max
+        return x.float().clamp(-bound, bound).to(dtype)
+    return x.to(dtype)
+
 
 class KVPool:
     """K and V buffers for every layer: `k[layer]`, `v[layer]` are [num_slots + 1, kv_heads, head_dim]."""
@@ -51,8 +72,8 @@ class KVPool:
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Writes the new tokens' K/V. loc: [T]; k, v: [T, kv_heads, head_dim]."""
-        self.k[layer_id][loc] = k.to(self.dtype)
-        self.v[layer_id][loc] = v.to(self.dtype)
+        self.k[layer_id][loc] = to_kv_dtype(k, self.dtype)
+        self.v[layer_id][loc] = to_kv_dtype(v, self.dtype)
 
 
 class SlotAllocator:

@@ -20,7 +20,7 @@ from rollout.engine.attention import (
 )
 from rollout.engine.cuda_graph_runner import CudaGraphRunner
 from rollout.engine.forward_batch import ForwardBatch, ForwardMode
-from rollout.engine.kv_pool import KVPool, ReqToTokenPool
+from rollout.engine.kv_pool import KVPool, ReqToTokenPool, kv_cache_dtype
 from rollout.engine.launched_step import LaunchedStep, LogitRow, ReqStepOutput
 from rollout.engine.req import Req, ScheduleBatch
 from rollout.engine.sampler import SamplingBatch, sample
@@ -62,9 +62,10 @@ class ModelRunner:
             text_cfg.hidden_size // text_cfg.num_attention_heads
         )
         num_layers = text_cfg.num_hidden_layers
+        self.kv_dtype = kv_cache_dtype(options.cache.kv_cache_dtype, self.dtype)
         self.num_slots = self._kv_slots(options, num_layers, num_kv_heads, head_dim)
         with memory_regions.region("kv_cache", self.device):
-            self.kv_pool = KVPool(num_layers, self.num_slots, num_kv_heads, head_dim, self.dtype, self.device)
+            self.kv_pool = KVPool(num_layers, self.num_slots, num_kv_heads, head_dim, self.kv_dtype, self.device)
         self.context_length = min(context_length, self.num_slots)
         # One spare row: a request leaving and one arriving may overlap within a step.
         self.req_to_token = ReqToTokenPool(
@@ -92,6 +93,7 @@ class ModelRunner:
             head_dim=head_dim,
             scaling=head_dim**-0.5,
             dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
             device=self.device,
             max_batch_size=self.req_to_token.max_reqs,
             max_context_len=self.context_length,
@@ -124,7 +126,7 @@ class ModelRunner:
             return CPU_DEFAULT_TOKENS
         free, total = torch.cuda.mem_get_info(self.device)
         budget = free - total * (1.0 - options.cache.mem_fraction)
-        per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, self.kv_dtype)
         slots = int(budget // per_token)
         if slots < 16:
             raise RuntimeError(

@@ -73,6 +73,9 @@ class SchedulerProcess:
             "eos_token_ids": eos,
             "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
+            "attention_backend": self.runner.attention_backend,
+            "decode_attention": str(self.runner.decode_attention),
         }
 
     def handle(self, msg: Any) -> ControlReply | None:

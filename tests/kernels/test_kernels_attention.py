@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from paged_fixtures import make_paged_batch, reference_attention  # noqa: E402
 
+from rollout.engine.kv_pool import to_kv_dtype  # noqa: E402
 from rollout_kernels.attention_merge import merge_attention_parts  # noqa: E402
 from rollout_kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
 from rollout_kernels.extend_attention import extend_attention  # noqa: E402
@@ -121,6 +122,63 @@ def test_store_kv_writes_each_token_to_its_slot(device, dtype):
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     want_k[loc], want_v[loc] = k, v
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_store_kv_into_an_fp8_cache_rounds_and_clamps_as_the_pool_does(device, cache_dtype):
+    gen = torch.Generator().manual_seed(2)
+    k = (torch.randn(6, 2, 8, generator=gen) * 3).to(device, torch.bfloat16)
+    v = (torch.randn(6, 2, 8, generator=gen) * 3).to(device, torch.bfloat16)
+    big = torch.finfo(cache_dtype).max
+    k[0, 0, :4] = torch.tensor([big * 4, -big * 4, 1e-3, -2e-4])  # past the range; tiny values
+    k_cache = torch.zeros(10, 2, 8, dtype=cache_dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    loc = torch.tensor([2, 9, 5, 1, 4, 7], device=device)
+    store_kv(k, v, k_cache, v_cache, loc)
+    assert k_cache[2, 0, 0].float() == big and k_cache[2, 0, 1].float() == -big  # clamped, not inf or NaN
+    for got, x in ((k_cache, k), (v_cache, v)):
+        want = torch.zeros_like(got)
+        want[loc] = to_kv_dtype(x, cache_dtype)
+        got, want = got.float().cpu(), want.float().cpu()
+        if torch.device(device).type == "cuda":
+            assert torch.equal(got, want)  # the same rounding as the torch pool
+        else:
+            # Triton's interpreter converts to 8-bit floats its own way (ties away from zero,
+            # no carry into the exponent: -7.875 becomes -4): the rounding is checked on CUDA;
+            # here, where the values went.
+            untouched = torch.ones(10, dtype=torch.bool)
+            untouched[loc.cpu()] = False
+            assert not got[untouched].any()
+            assert (got[loc.cpu()] != 0).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_reads_an_fp8_cache(device, cache_dtype, dtype):
+    # Queries in the model's dtype against keys and values stored in 8 bits: the result of
+    # attending over the stored (rounded) values, in the model's precision.
+    if dtype == torch.bfloat16 and torch.device(device).type != "cuda":
+        pytest.skip("Triton's interpreter gets tl.dot of bfloat16 wrong (any cache dtype); runs on CUDA")
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    batch = make_paged_batch([70, 3, 41], [1, 1, 1], 4, 2, 16, dtype, device, seed=6)
+    batch.k_cache, batch.v_cache = to_kv_dtype(batch.k_cache, cache_dtype), to_kv_dtype(batch.v_cache, cache_dtype)
+    out = decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
+        batch.seq_lens, 0.25, num_splits=choose_num_splits(70),
+    )
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.cpu().double(), reference_attention(batch, 0.25), **tol)
+    batch = make_paged_batch([40, 9], [40, 4], 4, 2, 16, dtype, device, seed=7)
+    batch.k_cache, batch.v_cache = to_kv_dtype(batch.k_cache, cache_dtype), to_kv_dtype(batch.v_cache, cache_dtype)
+    out = extend_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices,
+        batch.seq_lens, batch.extend_lens, batch.extend_starts, 40, 0.25,
+    )
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.cpu().double(), reference_attention(batch, 0.25), **tol)
 
 
 def test_store_kv_rejects_mismatched_shapes(device):

@@ -122,6 +122,31 @@ def test_rotary_with_qk_norm_and_kv_store_matches_the_separate_steps(device, dty
     assert not k_cache[untouched.to(device)].any()  # nothing written outside loc
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_rotary_stores_into_an_fp8_cache_as_store_kv_does(device, cache_dtype):
+    # The rotated k and v go into an 8-bit cache with store_kv's cast (clamped to the range).
+    gen = torch.Generator().manual_seed(6)
+    t, heads, kv_heads, dim, slots = 5, 4, 2, 16, 12
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * dim, generator=gen) * 4).to(device)
+    qkv[0, heads * dim] = 1e6  # a key past either 8-bit range
+    q = qkv[:, : heads * dim].view(t, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
+    freqs = torch.arange(t, dtype=torch.float32)[:, None] * torch.rand(dim // 2, generator=gen)
+    cos, sin = freqs.cos()[:, None, :].to(device), freqs.sin()[:, None, :].to(device)
+    loc = torch.tensor([3, 7, 1, 10, 5], device=device)
+    want_q, want_k = q.clone(), k.clone()
+    apply_rotary_inplace(want_q, want_k, cos, sin)
+    want_k_cache = torch.zeros(slots, kv_heads, dim, dtype=cache_dtype, device=device)
+    want_v_cache = torch.zeros_like(want_k_cache)
+    store_kv(want_k, v, want_k_cache, want_v_cache, loc)
+    k_cache, v_cache = torch.zeros_like(want_k_cache), torch.zeros_like(want_v_cache)
+    apply_rotary_inplace(q, k, cos, sin, store=(v, k_cache, v_cache, loc))
+    assert torch.equal(k_cache.float(), want_k_cache.float())
+    assert torch.equal(v_cache.float(), want_v_cache.float())
+    assert k_cache.float().abs().max() == torch.finfo(cache_dtype).max  # clamped, finite
+
+
 def test_rotary_rejects_a_cache_of_other_heads(device):
     q, k = torch.zeros(2, 4, 8, device=device), torch.zeros(2, 2, 8, device=device)
     cos = torch.zeros(2, 4, device=device)

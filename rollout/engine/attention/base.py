@@ -30,6 +30,11 @@ class AttentionShape:
     device: torch.device
     max_batch_size: int  # most requests in one forward
     max_context_len: int  # most tokens in one request's KV
+    kv_dtype: torch.dtype | None = None  # the KV cache's element type; None: dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
 
 class AttentionBackend(ABC):

@@ -93,7 +93,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             "page_size": _PAGE_SIZE,
             "sm_scale": s.scaling,
             "q_data_type": s.dtype,
-            "kv_data_type": s.dtype,
+            "kv_data_type": s.cache_dtype,
         }
 
     def prepare(self, fb: ForwardBatch) -> None:
