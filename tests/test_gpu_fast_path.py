@@ -167,3 +167,17 @@ def test_release_and_resume_keep_decode_graphs_on_both_kernels(tmp_path):
         engine.resume_memory_occupation()
         after = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
     assert after == before
+
+
+def test_fp8_kv_cache_on_the_gpu_backends_matches_the_torch_backend(tmp_path):
+    # kv_cache_dtype="fp8_e4m3" through FlashInfer's extend and both decode kernels (Triton's up
+    # to 4 rows, FlashInfer's above), eager and from graphs, against the torch backend over the
+    # same 8-bit cache.
+    if not package_imports("flashinfer"):
+        pytest.skip("needs flashinfer")
+    path = make_tiny_model(str(tmp_path / "tiny"), "qwen3", seed=3, head_dim=128)
+    fp8 = {"kv_cache_dtype": "fp8_e4m3"}
+    reference = _generate(path, attention_backend="torch", **fp8)
+    for options in ({"disable_cuda_graph": True}, {"cuda_graph_max_bs": 16}):
+        outs = _generate(path, attention_backend="flashinfer", triton_decode_max_batch=4, **fp8, **options)
+        _assert_same_greedy(outs, reference, BACKEND_TOL, BACKEND_TIE)
