@@ -2,11 +2,12 @@
 
 KVPool keeps one [num_slots + 1, kv_heads, head_dim] tensor per layer for K and one for V, a
 token per slot; FlashInfer sees that as pages of one token (NHD layout, page_size 1), and a
-request's page list is its row of req_to_token. (With decode_attention_backend="auto", decode
-runs on the Triton kernel instead: see attention/__init__.py.) Decode here uses the tensor-core
-decode kernels: they take any GQA group size (Qwen2.5-7B has 7 query heads per KV head, which
-the CUDA-core decode kernels reject) and are compiled from the same FA2 module as extend, so a
-machine JIT-compiles one module per dtype and head size instead of three.
+request's page list is its row of req_to_token. (With decode_attention_backend="auto", small
+decode batches run on the Triton kernel instead: see attention/__init__.py.) An 8-bit KV pool
+is read as it is (kv_data_type), with queries in the model's dtype. Decode here uses the
+tensor-core decode kernels: they take any GQA group size (Qwen2.5-7B has 7 query heads per KV
+head, which the CUDA-core decode kernels reject) and are compiled from the same FA2 module as
+extend, so a machine JIT-compiles one module per dtype pair and head size instead of three.
 """
 
 from __future__ import annotations
