@@ -11,6 +11,8 @@ kernel; `--check` also compares each against the torch reference and a strided q
 into a fused qkv output) against a contiguous one. `--spread` draws each request's length
 uniformly from [1, 2 x context] instead (a workload's mix); `--split-keys 64 1024` times the
 Triton kernel once per piece length (keys per split-KV piece) instead of its default.
+`--kv-dtype fp8_e4m3` (or fp8_e5m2) keeps K and V in 8 bits, as kv_cache_dtype does, with bf16
+queries.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--spread", action="store_true", help="lengths uniform in [1, 2 x context]")
+    parser.add_argument("--kv-dtype", default="auto", help="auto (bf16), fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--split-keys", type=int, nargs="*", default=[], help="Triton piece lengths to time")
     parser.add_argument(
         "--triton-configs", nargs="*", default=[],
@@ -74,6 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     import flashinfer
 
+    from rollout.engine.kv_pool import kv_cache_dtype, to_kv_dtype
     from rollout_kernels import decode_attention as triton_decode
 
     torch.manual_seed(0)
@@ -81,8 +85,9 @@ def main() -> None:
     b, h, hkv, d, n = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
     lengths = torch.randint(1, 2 * n + 1, (b,)).tolist() if args.spread else [n] * b
     slots_total = sum(lengths) + 1
-    k_cache = torch.randn(slots_total, hkv, d, dtype=dtype, device=dev)
-    v_cache = torch.randn(slots_total, hkv, d, dtype=dtype, device=dev)
+    kv_dtype = kv_cache_dtype(args.kv_dtype, dtype)
+    k_cache = to_kv_dtype(torch.randn(slots_total, hkv, d, dtype=dtype, device=dev), kv_dtype)
+    v_cache = to_kv_dtype(torch.randn(slots_total, hkv, d, dtype=dtype, device=dev), kv_dtype)
     # Each request's slots scattered over the pool; slot 0 pads the rows of shorter requests.
     perm = (torch.randperm(slots_total - 1, device=dev) + 1).split(lengths)
     req_to_token = torch.zeros(b, max(lengths), dtype=torch.int64, device=dev)
@@ -118,7 +123,7 @@ def main() -> None:
             )  # fmt: skip
             wrapper.plan(
                 indptr, indices, last, h, hkv, d, 1, sm_scale=scale, q_data_type=dtype,
-                kv_data_type=dtype, disable_split_kv=no_split,
+                kv_data_type=kv_dtype, disable_split_kv=no_split,
             )  # fmt: skip
             kernels[name] = (lambda w: lambda x: w.run(x, cache))(wrapper)
         except Exception as e:  # noqa: BLE001 - report which variant is unavailable
@@ -154,6 +159,7 @@ def main() -> None:
         ms = time_ms(lambda fn=fn: fn(q))
         row = {
             "kernel": name, "batch": b, "context": n, "spread": args.spread, "heads": h, "kv_heads": hkv,
+            "kv_dtype": str(kv_dtype).removeprefix("torch."),
             "us": round(ms * 1000, 1), "TB/s": round(kv_bytes / ms / 1e9, 3),
         }
         if args.check:
