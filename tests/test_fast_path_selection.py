@@ -208,3 +208,18 @@ def test_kv_page_list_is_each_requests_slots_in_order():
     got = kv_indices(fb, int(indptr[-1]))
     want = torch.cat([table[r, :n] for r, n in zip(rows, lens)])
     assert got.dtype == torch.int32 and got.tolist() == want.tolist()
+
+
+def test_fp8_e4m3_kv_needs_a_gpu_that_converts_it(monkeypatch):
+    from rollout.engine.kv_pool import check_kv_dtype_runs, kv_cache_dtype
+
+    assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert kv_cache_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"fp8_e4m3.*compute capability 8.9 or newer, got 8.0 \(NVIDIA A100\)"):
+        check_kv_dtype_runs(torch.float8_e4m3fn, CUDA)
+    check_kv_dtype_runs(torch.float8_e5m2, CUDA)  # e5m2 converts on older GPUs too
+    check_kv_dtype_runs(torch.float8_e4m3fn, CPU)  # torch converts on the host
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_kv_dtype_runs(torch.float8_e4m3fn, CUDA)

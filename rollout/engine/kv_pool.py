@@ -21,6 +21,20 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return FP8_KV_DTYPES[name]
 
 
+def check_kv_dtype_runs(dtype: torch.dtype, device: torch.device) -> None:
+    """ValueError when this GPU cannot hold `dtype`: Triton, which stores the KV (and reads it
+    on its backend), compiles e4m3 only for compute capability 8.9 and newer (Ada, Hopper);
+    e5m2 it converts on older GPUs too."""
+    if dtype != torch.float8_e4m3fn or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype='fp8_e4m3' needs a GPU of compute capability 8.9 or newer, got "
+            f"{major}.{minor} ({torch.cuda.get_device_name(device)}); use fp8_e5m2 or auto"
+        )
+
+
 def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x as stored in a cache of `dtype`: an 8-bit float type clamps to its range first (a cast
     to e5m2 alone overflows to inf), as the Triton stores do (kernels/kv_store.py)."""

@@ -20,7 +20,7 @@ from rollout.engine.attention import (
 )
 from rollout.engine.cuda_graph_runner import CudaGraphRunner
 from rollout.engine.forward_batch import ForwardBatch, ForwardMode
-from rollout.engine.kv_pool import KVPool, ReqToTokenPool, kv_cache_dtype
+from rollout.engine.kv_pool import KVPool, ReqToTokenPool, check_kv_dtype_runs, kv_cache_dtype
 from rollout.engine.launched_step import LaunchedStep, LogitRow, ReqStepOutput
 from rollout.engine.req import Req, ScheduleBatch
 from rollout.engine.sampler import SamplingBatch, sample
@@ -49,6 +49,8 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mopts.dtype, hf_config)
+        self.kv_dtype = kv_cache_dtype(options.cache.kv_cache_dtype, self.dtype)
+        check_kv_dtype_runs(self.kv_dtype, self.device)
         # Weights and KV live in tagged regions so that memory release can give them back (the
         # CPU copy of the weights, when asked for, is weight_sync.memory's pinned buffer).
         with memory_regions.region("weights", self.device):
@@ -62,7 +64,6 @@ class ModelRunner:
             text_cfg.hidden_size // text_cfg.num_attention_heads
         )
         num_layers = text_cfg.num_hidden_layers
-        self.kv_dtype = kv_cache_dtype(options.cache.kv_cache_dtype, self.dtype)
         self.num_slots = self._kv_slots(options, num_layers, num_kv_heads, head_dim)
         with memory_regions.region("kv_cache", self.device):
             self.kv_pool = KVPool(num_layers, self.num_slots, num_kv_heads, head_dim, self.kv_dtype, self.device)
