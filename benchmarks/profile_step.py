@@ -37,10 +37,14 @@ def main() -> None:
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--cprofile", action="store_true", help="also print the Python functions taking the host's time")
     parser.add_argument("--extend", action="store_true", help="profile the prompts' prefill steps instead of decode")
+    parser.add_argument("--skinny-gemm-max-rows", type=int, default=0)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
     args = parser.parse_args()
     options = {
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
+        "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_total_tokens": args.batch * (args.prompt_len + 4 * args.steps) + 64,
         "disable_overlap_schedule": args.disable_overlap_schedule,
     }
