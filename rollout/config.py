@@ -41,7 +41,8 @@ class ModelOptions:
     )
     # Inside the engine on an H100 (the nano workload on Qwen3-0.6B, benchmarks/RESULTS.md) the
     # Triton decode kernel, which plans nothing on the host per step, took 1.4 ms a step at batch
-    # 1 where FlashInfer's took 1.9 ms, and FlashInfer's was faster from about 33 rows up.
+    # 1 where FlashInfer's took 1.9 ms (2.9-3.4 against 4.2 ms at 9-32 rows); the two were
+    # about even at 33-64 rows, and FlashInfer's was faster above (9.2 against 11.7 ms at 193-256).
     triton_decode_max_batch: int = _opt(
         32,
         "with decode_attention_backend auto under flashinfer: the largest decode batch (a CUDA "
