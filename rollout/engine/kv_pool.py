@@ -13,12 +13,9 @@ FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type for option value `name` ("auto": the model's dtype)."""
-    if name == "auto":
-        return model_dtype
-    if name not in FP8_KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(FP8_KV_DTYPES)}, got {name!r}")
-    return FP8_KV_DTYPES[name]
+    """The KV cache's element type for option value `name` (CacheOptions checked it; "auto":
+    the model's dtype)."""
+    return model_dtype if name == "auto" else FP8_KV_DTYPES[name]
 
 
 def check_kv_dtype_runs(dtype: torch.dtype, device: torch.device) -> None:
