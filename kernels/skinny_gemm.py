@@ -64,7 +64,11 @@ def skinny_gemm(
 ) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None, all one dtype;
     the last dim of x and weight contiguous. Returns [M, N] = x @ weight.T + bias in x's dtype,
-    accumulated in float32."""
+    accumulated in float32.
+
+    The tiles are sized for 2-byte elements: with 4-byte ones block_k is halved, so that each
+    pipeline stage takes the same shared memory (float32 at block_k 512 and 5 stages asks an
+    H100 for 384 KiB of its 227), and it never exceeds K rounded up to a power of two."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
@@ -79,6 +83,9 @@ def skinny_gemm(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
+    if x.element_size() > 2:
+        block_k //= 2
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y,
         m, n, k,

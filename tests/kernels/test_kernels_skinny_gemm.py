@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from rollout.models.layers import linear  # noqa: E402
 from rollout_kernels.skinny_gemm import MAX_ROWS, skinny_gemm  # noqa: E402
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -30,6 +31,19 @@ def test_skinny_gemm_matches_linear(device, dtype, rows, bias):
     assert got.dtype == dtype and got.shape == (rows, n)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_linear_layers_skinny_path_runs_in_every_model_dtype(device, dtype):
+    # The layers' tiles (sized for bf16) in float32 too: on a GPU they must still fit in shared
+    # memory, with K far below the tile (the tiny checkpoints) or far above it.
+    gen = torch.Generator().manual_seed(1)
+    for k in (64, 1100):
+        x = torch.randn(2, k, generator=gen).to(device, dtype)
+        w = (torch.randn(40, k, generator=gen) / k**0.5).to(device, dtype)
+        want = torch.nn.functional.linear(x.float(), w.float())
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(linear(x, w, skinny_rows=4).float(), want, atol=tol, rtol=tol)
 
 
 def test_skinny_gemm_reads_strided_rows(device):
