@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_offline import grpo_workload, nano_workload, random_workload  # noqa: E402
+from benchmarks.bench_offline import fixed_workload, grpo_workload, nano_workload, random_workload  # noqa: E402
 from rollout.config import EngineOptions  # noqa: E402
 from rollout.engine import launched_step  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
@@ -118,7 +118,7 @@ def bucket(n: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b")
-    parser.add_argument("--workload", choices=["nano", "grpo", "random"], default="nano")
+    parser.add_argument("--workload", choices=["nano", "grpo", "fixed", "random"], default="nano")
     parser.add_argument("--num-seqs", type=int)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=1024)
@@ -154,6 +154,8 @@ def main() -> None:
             return nano_workload(args.num_seqs or 256, 1024)
         if args.workload == "grpo":
             return grpo_workload(args.num_seqs or 64, 512)
+        if args.workload == "fixed":
+            return fixed_workload(args.num_seqs or 64, args.input_len, args.output_len)
         return random_workload(args.num_seqs or 500, args.input_len, args.output_len, 0.0)
 
     run(sched, [[1, 2, 3]], [{"max_new_tokens": 4}])  # warm-up
