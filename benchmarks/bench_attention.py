@@ -69,6 +69,10 @@ def main() -> None:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--spread", action="store_true", help="lengths uniform in [1, 2 x context]")
     parser.add_argument("--kv-dtype", default="auto", help="auto (bf16), fp8_e4m3 or fp8_e5m2")
+    parser.add_argument(
+        "--flashinfer", nargs="*", choices=["tc", "tc-nosplit", "cuda-core"], default=["tc", "tc-nosplit", "cuda-core"],
+        help="FlashInfer variants to time (each kv dtype and group size JIT-compiles its own modules)",
+    )  # fmt: skip
     parser.add_argument("--split-keys", type=int, nargs="*", default=[], help="Triton piece lengths to time")
     parser.add_argument(
         "--triton-configs", nargs="*", default=[],
@@ -112,6 +116,8 @@ def main() -> None:
         ("flashinfer-cuda-core", False, False),
     )
     for name, tensor_cores, no_split in variants:
+        if name.removeprefix("flashinfer-") not in args.flashinfer:
+            continue
         try:
             # As the engine's graph wrappers: plan arrays at fixed device addresses (and a
             # workspace of its own: the plans of all variants are alive at once here).

@@ -96,11 +96,12 @@ def run(sched, prompts, params) -> list[tuple[str, int, float, float]]:
     for step in steps:
         marks = step.pop()
         if len(marks) != 4 or marks[0] is None:
-            step += [0.0, 0.0, 0.0]
+            step += [0.0, 0.0, 0.0, 0.0]
             continue
         begin, model_start, model_end, end = marks
         idle = previous_end.elapsed_time(begin) if previous_end is not None else 0.0
-        step += [model_start.elapsed_time(model_end), begin.elapsed_time(end), idle]
+        prep = begin.elapsed_time(model_start)
+        step += [model_start.elapsed_time(model_end), begin.elapsed_time(end), prep, idle]
         previous_end = end
     sync()
     return steps
@@ -168,20 +169,22 @@ def main() -> None:
     if decode:
         print(f"mean decode batch {sum(decode) / len(decode):.1f}; scheduler stats {sched.stats}")
     # Per kind: steps, host seconds, fraction of it waiting for the device, and device ms per
-    # step: the model forward, the whole launch (inputs, forward, sampling, copies), and the
-    # device's idle time between the previous launch's end and this one's start.
-    rows: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    # step: the model forward, the whole launch (inputs, forward, sampling, copies), the part of
+    # the launch before the forward (input copies and plans, and the device waiting for the host
+    # to queue the forward), and the device's idle time between the previous launch's end and
+    # this one's start.
+    rows: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     for mode, size, *values in steps:
         key = f"decode {bucket(size)}" if mode == "decode" else mode
         rows[key][0] += 1
         for i, value in enumerate(values, 1):
             rows[key][i] += value
-    print(f"{'steps':<16}{'count':>7}{'seconds':>9}{'ms/step':>9}{'waited':>8}{'model':>8}{'launch':>8}{'idle':>8}")
+    print(f"{'steps':<16}{'count':>7}{'seconds':>9}{'ms/step':>9}{'waited':>8}{'model':>8}{'launch':>8}{'prep':>8}{'idle':>8}")
     for key in sorted(rows, key=lambda k: (k.startswith("decode"), len(k), k)):
-        n, wall, waited, model_ms, launch_ms, idle_ms = rows[key]
+        n, wall, waited, model_ms, launch_ms, prep_ms, idle_ms = rows[key]
         print(
             f"{key:<16}{n:>7}{wall:>9.2f}{wall / n * 1000:>9.2f}{waited / max(wall, 1e-9):>8.0%}"
-            f"{model_ms / n:>8.2f}{launch_ms / n:>8.2f}{idle_ms / n:>8.2f}"
+            f"{model_ms / n:>8.2f}{launch_ms / n:>8.2f}{prep_ms / n:>8.2f}{idle_ms / n:>8.2f}"
         )
     if args.cprofile:
         import cProfile
