@@ -18,7 +18,7 @@ from rollout.models.layers import (
     RotaryEmbedding,
     SiluAndMulMLP,
     apply_rotary,
-    linear,
+    logits_linear,
 )
 
 # Checkpoint tensors that hold nothing to load (some older Llama checkpoints carry them).
@@ -150,7 +150,7 @@ class LlamaForCausalLM(FusedOps, nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.skinny_rows).float()
+        return logits_linear(hidden, weight, self.skinny_rows)
 
     def hf_param_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every HF name `load_weights` loads, with the shape and dtype it lands in; a caller
