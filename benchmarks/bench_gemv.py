@@ -40,7 +40,6 @@ def projections(cfg: dict) -> list[tuple[str, int, int, bool]]:
         ("o", hidden, heads * head_dim, False),
         ("gate_up", 2 * inter, hidden, False),
         ("down", hidden, inter, False),
-        ("silu_down", hidden, inter, False),  # silu_and_mul then down, or the gated skinny GEMM
         ("lm_head", cfg["vocab_size"], hidden, False),
     ]
 
@@ -53,14 +52,11 @@ def main() -> None:
     torch.manual_seed(0)
     for name, n, k, has_bias in projections(REAL_CONFIGS[args.model]):
         row = {"model": args.model, "rows": args.rows, "proj": name, "N": n, "K": k}
-        row.update(bench_projection(n, k, has_bias, args.rows, gated=name == "silu_down"))
+        row.update(bench_projection(n, k, has_bias, args.rows))
         print(json.dumps(row))
 
 
-def bench_projection(n: int, k: int, has_bias: bool, rows: int, gated: bool = False) -> dict:
-    """gated: the input is [rows, 2k] (gate | up); torch's side runs the silu_and_mul kernel
-    first, the skinny GEMM forms silu(gate) * up on its load."""
-    from rollout_kernels.silu_and_mul import silu_and_mul
+def bench_projection(n: int, k: int, has_bias: bool, rows: int) -> dict:
     from rollout_kernels.skinny_gemm import skinny_gemm
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -69,15 +65,13 @@ def bench_projection(n: int, k: int, has_bias: bool, rows: int, gated: bool = Fa
     copies = max(2, -(-COLD_BYTES // (n * k * 2)))
     ws = [torch.randn(n, k, dtype=dtype, device=dev) / k**0.5 for _ in range(copies)]
     b = torch.randn(n, dtype=dtype, device=dev) if has_bias else None
-    x = torch.randn(rows, 2 * k if gated else k, dtype=dtype, device=dev)
+    x = torch.randn(rows, k, dtype=dtype, device=dev)
     nbytes = n * k * 2
+    want = torch.nn.functional.linear(x, ws[0], b).float()
     turn = itertools.count()
 
-    def torch_linear(weight=None):
-        weight = ws[next(turn) % copies] if weight is None else weight
-        return torch.nn.functional.linear(silu_and_mul(x) if gated else x, weight, b)
-
-    want = torch_linear(ws[0]).float()
+    def torch_linear():
+        return torch.nn.functional.linear(x, ws[next(turn) % copies], b)
 
     torch_ms = time_ms(torch_linear, calls=4 * copies, replays=5)
     row = {"torch_us": round(torch_ms * 1000, 1), "torch_TB/s": round(nbytes / torch_ms / 1e9, 3)}
@@ -85,7 +79,7 @@ def bench_projection(n: int, k: int, has_bias: bool, rows: int, gated: bool = Fa
     for bn, bk, warps, stages in CONFIGS:
         def run(bn=bn, bk=bk, warps=warps, stages=stages, weight=None):
             weight = ws[next(turn) % copies] if weight is None else weight
-            return skinny_gemm(x, weight, b, gated=gated, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+            return skinny_gemm(x, weight, b, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
 
         try:
             ms = time_ms(run, calls=4 * copies, replays=5)

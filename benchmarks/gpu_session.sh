@@ -45,6 +45,6 @@ for spec in "$@"; do
   name=$1
   shift
   echo "== bench_$name $*"
-  timeout "${BENCH_TIMEOUT:-300}" python3 "benchmarks/bench_$name.py" "$@" 2>&1 | grep -v "^\s*$" | tail -n 4 | tee -a "$OUT/bench.jsonl"
+  timeout "${BENCH_TIMEOUT:-300}" python3 "benchmarks/bench_$name.py" "$@" 2>&1 | grep -v "^\s*$" | tail -n 8 | tee -a "$OUT/bench.jsonl"
 done
 save_jit_cache

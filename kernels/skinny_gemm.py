@@ -23,7 +23,7 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -39,14 +39,10 @@ def _skinny_gemm_kernel(
             w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None],
             mask=kmask[:, None] & cmask[None, :], other=0.0,
         )  # [BLOCK_K, BLOCK_N]: W's rows as columns
-        x_at = x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :]
-        x = tl.load(x_at, mask=rmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        if GATED:
-            # x holds [gate | up]: silu(gate) * up, rounded as kernels/silu_and_mul.py rounds.
-            up = tl.load(x_at + K, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-            x = (act * up.to(tl.float32)).to(x.dtype)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :],
+            mask=rmask[:, None] & kmask[None, :], other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
         acc += tl.dot(x, w_t, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -61,7 +57,6 @@ def skinny_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    gated: bool = False,
     block_n: int = 32,
     block_k: int = 256,
     num_warps: int = 4,
@@ -69,21 +64,16 @@ def skinny_gemm(
 ) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None, all one dtype;
     the last dim of x and weight contiguous. Returns [M, N] = x @ weight.T + bias in x's dtype,
-    accumulated in float32. With `gated`, x is [M, 2K], a gated MLP's gate and up halves, and
-    the product is silu(gate) * up @ weight.T: kernels/silu_and_mul.py fused into the load.
+    accumulated in float32.
 
     The tiles are sized for 2-byte elements: with 4-byte ones block_k is halved, so that each
     pipeline stage takes the same shared memory (float32 at block_k 512 and 5 stages asks an
     H100 for 384 KiB of its 227), and it never exceeds K rounded up to a power of two."""
     m, k = x.shape
-    if gated:
-        if k % 2:
-            raise ValueError(f"skinny_gemm(gated=True) needs x of [M, 2K] (gate | up), got {tuple(x.shape)}")
-        k //= 2
     n = weight.shape[0]
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
         raise ValueError(
-            f"skinny_gemm needs x [M, {'2K' if gated else 'K'}], weight [N, K], bias [N]; got x {tuple(x.shape)}, "
+            f"skinny_gemm needs x [M, K], weight [N, K], bias [N]; got x {tuple(x.shape)}, "
             f"weight {tuple(weight.shape)}, bias {None if bias is None else tuple(bias.shape)}"
         )
     if m > MAX_ROWS:
@@ -100,7 +90,7 @@ def skinny_gemm(
         x, weight, bias if bias is not None else weight, y,
         m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
     )
     return y

@@ -182,10 +182,6 @@ class SiluAndMulMLP(FusedOps, nn.Module):
         # x: [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)
         if self.fused:
-            if 0 < x.shape[0] <= self.skinny_rows:
-                # One launch: silu(gate) * up is formed as the down projection loads its input.
-                down = self.down_proj
-                return kernel("skinny_gemm").skinny_gemm(gate_up, down.weight, down.bias, gated=True, **SKINNY_GEMM_TILES)
             return self.down_proj(kernel("silu_and_mul").silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

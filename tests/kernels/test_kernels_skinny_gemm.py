@@ -11,7 +11,6 @@ import torch
 pytest.importorskip("triton")
 
 from rollout.models.layers import linear  # noqa: E402
-from rollout_kernels.silu_and_mul import silu_and_mul  # noqa: E402
 from rollout_kernels.skinny_gemm import MAX_ROWS, skinny_gemm  # noqa: E402
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -45,25 +44,6 @@ def test_the_linear_layers_skinny_path_runs_in_every_model_dtype(device, dtype):
         want = torch.nn.functional.linear(x.float(), w.float())
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(linear(x, w, skinny_rows=4).float(), want, atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5])
-def test_gated_skinny_gemm_is_silu_and_mul_then_linear(device, dtype, rows):
-    # The down projection of a gated MLP with silu(gate) * up formed on the load: the same
-    # rounding as the separate silu_and_mul kernel, then the same product.
-    gen = torch.Generator().manual_seed(10 + rows)
-    inter, n = 150, 40  # the halves not a multiple of the K tile
-    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 2).to(device, dtype)
-    w = (torch.randn(n, inter, generator=gen) / inter**0.5).to(device, dtype)
-    b = torch.randn(n, generator=gen).to(device, dtype)
-    act = silu_and_mul(gate_up)
-    got = skinny_gemm(gate_up, w, b, gated=True, block_n=16, block_k=64)
-    want = torch.nn.functional.linear(act.float(), w.float(), b.float())
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
-    with pytest.raises(ValueError, match="2K"):
-        skinny_gemm(gate_up[:, 1:], w, gated=True)
 
 
 def test_skinny_gemm_reads_strided_rows(device):
