@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from benchmarks.hf_baseline import hf_generate_seconds, load_hf_model  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402
+from rollout.config import ModelOptions  # noqa: E402
 from rollout.engine.kv_pool import kv_cache_dtype  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
 
@@ -97,7 +98,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--disable-cuda-graph", action="store_true")
-    parser.add_argument("--skinny-gemm-max-rows", type=int, default=0)
+    parser.add_argument("--skinny-gemm-max-rows", type=int, default=ModelOptions().skinny_gemm_max_rows)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
     args = parser.parse_args()

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from rollout.config import EngineOptions  # noqa: E402
+from rollout.config import EngineOptions, ModelOptions  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
 from rollout.engine.sampling_params import SamplingParams  # noqa: E402
 from rollout.engine.scheduler_process import SchedulerProcess  # noqa: E402
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--cprofile", action="store_true", help="also print the Python functions taking the host's time")
     parser.add_argument("--extend", action="store_true", help="profile the prompts' prefill steps instead of decode")
-    parser.add_argument("--skinny-gemm-max-rows", type=int, default=0)
+    parser.add_argument("--skinny-gemm-max-rows", type=int, default=ModelOptions().skinny_gemm_max_rows)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
     args = parser.parse_args()
     options = {

@@ -48,11 +48,12 @@ class ModelOptions:
         "with decode_attention_backend auto under flashinfer: the largest decode batch (a CUDA "
         "graph's padded size) on the Triton decode kernel; 0: none",
     )
+    # One row: Qwen2.5-7B decoded at 5.61 against 5.75 ms per token with torch's GEMM (H100,
+    # same call, benchmarks/RESULTS.md); larger batches are not measured yet.
     skinny_gemm_max_rows: int = _opt(
-        0,
+        1,
         "on the GPU backends, linear layers over at most this many tokens (small decode "
-        "batches) run the skinny GEMM kernel of kernels/ instead of torch's GEMM; 0: never "
-        "(experimental: not yet measured inside the engine)",
+        "batches) run the skinny GEMM kernel of kernels/ instead of torch's GEMM; 0: never",
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = _opt(

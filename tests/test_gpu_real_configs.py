@@ -1,11 +1,16 @@
-"""bf16 on the real models' shapes: every attention backend's logprobs within 2e-2 of
-transformers' (bf16, sdpa) on the same tokens.
+"""bf16 on the real models' shapes: every attention backend's logprobs as close to the exact
+(float32) ones as transformers' own bf16 run is, or within 2e-2.
 
 Random weights with each real config's dimensions (hidden size, heads, head dim, vocabulary,
 rope settings), cut to a few layers for the two large models so that a checkpoint is written
 in seconds. The engine generates greedily; transformers then scores the prompt plus the
-engine's tokens, so a near tie between two tokens (random weights make many) cannot send the
-two down different continuations."""
+engine's tokens, in bf16 and with the same weights in float32, so a near tie between two
+tokens (random weights make many) cannot send the runs down different continuations.
+
+Why not "within 2e-2 of transformers' bf16": on these shapes bf16 rounding alone moves
+transformers' logprobs up to 0.026 (Qwen3-0.6B) and 0.063-0.068 (Qwen2.5-7B and Llama-3.1-8B
+shapes) from the float32 ones (H100, 2026-11-24), and two bf16 implementations that round at
+different places are each that far from the exact values, in different directions."""
 
 from __future__ import annotations
 
@@ -96,8 +101,12 @@ def test_bf16_logprobs_match_transformers_on_real_shapes(real_checkpoint, backen
         "vs_hf_bf16_max": (ours_t - theirs_t).abs().max().item(),
         "vs_hf_bf16_mean": (ours_t - theirs_t).abs().mean().item(),
         "vs_fp32_max": (ours_t - truth_t).abs().max().item(),
+        "vs_fp32_mean": (ours_t - truth_t).abs().mean().item(),
         "hf_bf16_vs_fp32_max": (theirs_t - truth_t).abs().max().item(),
         "hf_bf16_vs_fp32_mean": (theirs_t - truth_t).abs().mean().item(),
     }
     print(stats)
-    assert stats["vs_hf_bf16_max"] <= LOGPROB_TOL, stats
+    # As far from the exact logprobs as transformers' bf16 run, with a quarter to spare, or
+    # within the fixed tolerance where that is wider.
+    assert stats["vs_fp32_max"] <= max(LOGPROB_TOL, 1.25 * stats["hf_bf16_vs_fp32_max"]), stats
+    assert stats["vs_fp32_mean"] <= max(LOGPROB_TOL / 2, 1.25 * stats["hf_bf16_vs_fp32_mean"]), stats
