@@ -87,6 +87,23 @@ def test_greedy_rows_take_the_first_maximum(device):
     assert _kernel_sample(logits, batch).tolist() == [40, VOCAB - 1]
 
 
+@pytest.mark.parametrize("filtered", [True, False])
+def test_first_maximum_across_blocks_and_within_a_lane(device, filtered):
+    # Block 128: 44, 172 and 300 sit in one lane of three blocks; 130 and 200 in two lanes.
+    # The kernels keep a best per lane and reduce the lanes once: the first maximum must win.
+    logits = torch.zeros(3, VOCAB, device=device)
+    logits[0, [300, 172, 44]] = 1.0
+    logits[1, [200, 130]] = 1.0
+    logits[2, [300, 130, 172]] = 1.0
+    batch = _batch([SamplingParams(temperature=0)] * 3, [0] * 3, [0] * 3, device)
+    got = sample_tokens(
+        logits, batch.temperatures, batch.greedy, batch.top_ks, batch.top_ps, batch.min_ps,
+        batch.seeds, batch.steps, use_top_k=filtered, use_top_p=False, use_min_p=False,
+        block=128, chunk=256,
+    )
+    assert got.tolist() == [44, 130, 130]
+
+
 def test_unfiltered_rows_drawn_in_chunks_are_the_sampler_tokens(device):
     # Temperature only: each row is cut into chunks (4 of 256 here) drawn by programs of their
     # own; the winner must be the one-pass sampler's token, greedy rows included.
