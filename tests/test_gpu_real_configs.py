@@ -38,7 +38,8 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module", params=list(LAYERS))
 def real_checkpoint(request, tmp_path_factory):
-    """(path, prompts, transformers-in-bf16 model) for one real config with random weights."""
+    """(path, prompts, transformers in bf16, transformers in float32 with the same weights) for
+    one real config with random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     name = request.param

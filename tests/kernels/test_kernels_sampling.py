@@ -90,7 +90,7 @@ def test_greedy_rows_take_the_first_maximum(device):
 @pytest.mark.parametrize("filtered", [True, False])
 def test_first_maximum_across_blocks_and_within_a_lane(device, filtered):
     # Block 128: 44, 172 and 300 sit in one lane of three blocks; 130 and 200 in two lanes.
-    # The kernels keep a best per lane and reduce the lanes once: the first maximum must win.
+    # However the kernels combine blocks and lanes, the first maximum must win (torch.argmax).
     logits = torch.zeros(3, VOCAB, device=device)
     logits[0, [300, 172, 44]] = 1.0
     logits[1, [200, 130]] = 1.0
