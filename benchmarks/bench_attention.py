@@ -59,6 +59,20 @@ def reference(q, k_cache, v_cache, slots, lengths, scale):
     return torch.stack(out)
 
 
+def scattered_runs(lengths: list[int], run: int, device: torch.device) -> list[torch.Tensor]:
+    """Slots 1 .. sum(lengths) dealt to requests of `lengths`: each request's tokens in runs of
+    `run` adjacent slots (its last run shorter), the runs in random places of the pool."""
+    pieces = [(i, min(run, n - s)) for i, n in enumerate(lengths) for s in range(0, n, run)]
+    order = torch.randperm(len(pieces)).tolist()
+    starts, at = [0] * len(pieces), 1
+    for p in order:
+        starts[p], at = at, at + pieces[p][1]
+    slots: list[list[torch.Tensor]] = [[] for _ in lengths]
+    for (i, size), start in zip(pieces, starts):
+        slots[i].append(torch.arange(start, start + size))
+    return [torch.cat(s).to(device) for s in slots]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=16)
@@ -68,6 +82,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--spread", action="store_true", help="lengths uniform in [1, 2 x context]")
+    parser.add_argument(
+        "--run", type=int, default=1,
+        help="slots per contiguous run: each request's tokens lie in runs of this many adjacent "
+        "slots, the runs scattered over the pool (1: every token scattered)",
+    )  # fmt: skip
     parser.add_argument("--kv-dtype", default="auto", help="auto (bf16), fp8_e4m3 or fp8_e5m2")
     parser.add_argument(
         "--flashinfer", nargs="*", choices=["tc", "tc-nosplit", "cuda-core"], default=["tc", "tc-nosplit", "cuda-core"],
@@ -92,8 +111,9 @@ def main() -> None:
     kv_dtype = kv_cache_dtype(args.kv_dtype, dtype)
     k_cache = to_kv_dtype(torch.randn(slots_total, hkv, d, dtype=dtype, device=dev), kv_dtype)
     v_cache = to_kv_dtype(torch.randn(slots_total, hkv, d, dtype=dtype, device=dev), kv_dtype)
-    # Each request's slots scattered over the pool; slot 0 pads the rows of shorter requests.
-    perm = (torch.randperm(slots_total - 1, device=dev) + 1).split(lengths)
+    # Each request's slots scattered over the pool in runs of --run adjacent slots; slot 0 pads
+    # the rows of shorter requests.
+    perm = scattered_runs(lengths, args.run, dev)
     req_to_token = torch.zeros(b, max(lengths), dtype=torch.int64, device=dev)
     for i, slots in enumerate(perm):
         req_to_token[i, : lengths[i]] = slots
@@ -164,7 +184,7 @@ def main() -> None:
     for name, fn in kernels.items():
         ms = time_ms(lambda fn=fn: fn(q))
         row = {
-            "kernel": name, "batch": b, "context": n, "spread": args.spread, "heads": h, "kv_heads": hkv,
+            "kernel": name, "batch": b, "context": n, "spread": args.spread, "run": args.run, "heads": h, "kv_heads": hkv,
             "kv_dtype": str(kv_dtype).removeprefix("torch."),
             "us": round(ms * 1000, 1), "TB/s": round(kv_bytes / ms / 1e9, 3),
         }

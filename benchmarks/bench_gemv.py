@@ -6,7 +6,8 @@ For each projection of the model (q/k/v, o, gate/up, down, LM head), in bfloat16
 torch.nn.functional.linear and rollout_kernels.skinny_gemm over a few tile configurations,
 inside CUDA graphs (as decode runs) with the weights read from HBM rather than the L2 cache,
 and prints one JSON line per projection: microseconds and the weight bytes read per second of
-each, the best configuration, and its largest error against torch.
+each, the best configuration, the engine's tiles (SKINNY_GEMM_TILES), and the best one's largest
+error against torch.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.bench_attention import time_ms  # noqa: E402
+from rollout.models.layers import SKINNY_GEMM_TILES  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS  # noqa: E402
 
 COLD_BYTES = 256 << 20  # weights cycled through per projection
@@ -75,6 +77,10 @@ def bench_projection(n: int, k: int, has_bias: bool, rows: int) -> dict:
 
     torch_ms = time_ms(torch_linear, calls=4 * copies, replays=5)
     row = {"torch_us": round(torch_ms * 1000, 1), "torch_TB/s": round(nbytes / torch_ms / 1e9, 3)}
+    def engine_tiles():
+        return skinny_gemm(x, ws[next(turn) % copies], b, **SKINNY_GEMM_TILES)
+
+    row["engine_tiles_us"] = round(time_ms(engine_tiles, calls=4 * copies, replays=5) * 1000, 1)
     best = None
     for bn, bk, warps, stages in CONFIGS:
         def run(bn=bn, bk=bk, warps=warps, stages=stages, weight=None):

@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--skinny-gemm-max-rows", type=int, default=ModelOptions().skinny_gemm_max_rows)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
+    parser.add_argument("--triton-decode-max-batch", type=int, default=ModelOptions().triton_decode_max_batch)
     parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
     args = parser.parse_args()
     if args.output_len < 2:
@@ -112,6 +113,7 @@ def main() -> None:
         "disable_cuda_graph": args.disable_cuda_graph,
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "triton_decode_max_batch": args.triton_decode_max_batch,
         # Every run prefills the same prompt from scratch.
         "disable_radix_cache": True,
         "max_total_tokens": 8 * (args.input_len + args.output_len),
@@ -146,6 +148,7 @@ def main() -> None:
         "attention_backend": args.attention_backend,
         "cuda_graph": not args.disable_cuda_graph,
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
+        "triton_decode_max_batch": args.triton_decode_max_batch,
         "kv_cache_dtype": info["kv_cache_dtype"],
         "ttft_ms": round(ours["ttft_s"] * 1e3, 2),
         "decode_step_ms": round(ours["step_s"] * 1e3, 3),

@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--extend", action="store_true", help="profile the prompts' prefill steps instead of decode")
     parser.add_argument("--skinny-gemm-max-rows", type=int, default=ModelOptions().skinny_gemm_max_rows)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
+    parser.add_argument("--trace", help="also write the profiled decode steps as a Chrome trace here")
     args = parser.parse_args()
     options = {
         "dtype": args.dtype,
@@ -98,6 +99,30 @@ def main() -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+    print_device_busy(prof, steps=5)
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+
+def print_device_busy(prof, steps: int) -> None:
+    """How much of the profiled span the GPU ran kernels: the union of the kernels' intervals
+    against the span from the first kernel's start to the last one's end."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not spans:
+        return
+    busy, run_start, run_end = 0.0, *spans[0]
+    for start, end in spans[1:]:
+        if start > run_end:
+            busy, run_start = busy + run_end - run_start, start
+        run_end = max(run_end, end)
+    busy += run_end - run_start
+    total = spans[-1][1] - spans[0][0]
+    print(f"device busy {busy / steps / 1000:.3f} ms of {total / steps / 1000:.3f} ms per step "
+          f"({len(spans) / steps:.0f} device events per step)")
 
 
 def profile_extend(sched, prompt_tokens: int) -> None:

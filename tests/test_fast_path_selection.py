@@ -1,16 +1,25 @@
 """The CPU-checkable parts of the GPU fast path: which attention backend runs, which batch sizes
-get CUDA graphs and how a batch pads, the KV page list handed to FlashInfer, option checks."""
+get CUDA graphs and how a batch pads, the KV page list handed to FlashInfer and its plans' host
+work, option checks."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
 
 from rollout.config import EngineOptions, ModelOptions
 from rollout.engine import attention
-from rollout.engine.attention.flashinfer_backend import host_indptr, kv_indices
+from rollout.engine.attention.flashinfer_backend import (
+    host_indptr,
+    kv_indices,
+    speed_up_plans,
+    tensor_aware_max,
+)
 from rollout.engine.cuda_graph_runner import graph_batch_sizes, padded_size
 from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+from rollout.real_configs import REAL_CONFIGS
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -223,3 +232,42 @@ def test_fp8_e4m3_kv_needs_a_gpu_that_converts_it(monkeypatch):
     check_kv_dtype_runs(torch.float8_e4m3fn, CPU)  # torch converts on the host
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_kv_dtype_runs(torch.float8_e4m3fn, CUDA)
+
+
+def test_skinny_gemm_takes_the_large_projections_of_a_batch_1_decode():
+    # Qwen2.5-7B's shapes (built without storage): at one row its q/k/v and o projections
+    # keep torch's GEMM, which reads them faster; gate/up, down and the LM head take the
+    # skinny kernel. Switching the kernels off again clears every choice.
+    from transformers import AutoConfig
+
+    from rollout.models import get_model_class
+    from rollout.models.layers import use_fused_kernels
+
+    cfg = AutoConfig.for_model(**REAL_CONFIGS["qwen2.5-7b"])
+    with torch.device("meta"):
+        model = get_model_class(cfg)(cfg)
+    use_fused_kernels(model, True, skinny_rows=1)
+    layer = model.model.layers[0]
+    assert (layer.self_attn.qkv_proj.skinny_rows, layer.self_attn.o_proj.skinny_rows) == (0, 0)
+    assert (layer.mlp.gate_up_proj.skinny_rows, layer.mlp.down_proj.skinny_rows, model.skinny_rows) == (1, 1, 1)
+    use_fused_kernels(model, True, skinny_rows=1, skinny_min_weight=0)
+    assert layer.self_attn.qkv_proj.skinny_rows == 1
+    use_fused_kernels(model, False, skinny_rows=1)
+    assert not any(getattr(m, "skinny_rows", 0) for m in model.modules())
+
+
+def test_plans_take_the_max_of_a_length_tensor_without_walking_it(monkeypatch):
+    """FlashInfer's plan() runs `max(kv_lens).item()` on a host tensor every decode step; with
+    speed_up_plans that is one tensor op, with the builtin's result, and the builtin elsewhere
+    is untouched."""
+    plans = types.ModuleType("decode")
+    exec("def max_kv_len(kv_lens):\n    return max(kv_lens).item()", plans.__dict__)
+    speed_up_plans(types.SimpleNamespace(decode=plans))
+    lens = torch.tensor([7, 1030, 3, 1030, 12], dtype=torch.int32)
+    expected = max(lens).item()
+    monkeypatch.setattr(torch.Tensor, "__iter__", lambda self: pytest.fail("walked the tensor"))
+    assert plans.max_kv_len(lens) == expected == 1030
+    # Every other form still answers as the builtin does.
+    assert tensor_aware_max(3, 8, 5) == 8
+    assert tensor_aware_max([4, 2], key=lambda x: -x) == 2
+    assert tensor_aware_max([], default=-1) == -1

@@ -36,15 +36,27 @@ class FusedOps:
     skinny_rows = 0  # linear layers of at most this many rows run the skinny GEMM kernel
 
 
-def use_fused_kernels(model: nn.Module, enabled: bool = True, skinny_rows: int = 0) -> None:
+# Weights below this many elements keep torch's GEMM on the skinny path. Reading one is short
+# enough that the kernel's start weighs: each program streams one tile of rows through a
+# pipeline it must first fill, and torch's GEMM, which also splits K, reads them as fast or
+# faster (Qwen2.5-7B at one row on an H100: q/k/v 14.1 against 17.2 us, o 11.6 against 11.9;
+# the skinny kernel wins on gate/up, down and the LM head: benchmarks/bench_gemv.py).
+SKINNY_MIN_WEIGHT = 1 << 25
+
+
+def use_fused_kernels(
+    model: nn.Module, enabled: bool = True, skinny_rows: int = 0, skinny_min_weight: int = SKINNY_MIN_WEIGHT
+) -> None:
     """Switches every block of `model` to (or back from) the Triton kernels. Outputs agree
     with the torch path to rounding; both paths round where HF's modules round. With
     `skinny_rows`, linear layers over at most that many tokens (a small decode batch) use
-    rollout_kernels.skinny_gemm instead of torch's GEMM."""
+    rollout_kernels.skinny_gemm instead of torch's GEMM: those whose weight has at least
+    `skinny_min_weight` elements, and the LM head."""
     for module in model.modules():
         if isinstance(module, FusedOps):
+            small = isinstance(module, nn.Linear) and module.weight.numel() < skinny_min_weight
             module.fused = enabled
-            module.skinny_rows = skinny_rows if enabled else 0
+            module.skinny_rows = skinny_rows if enabled and not small else 0
 
 
 # The skinny GEMM's tiles: the best for three of Qwen2.5-7B's five projections at one row on an

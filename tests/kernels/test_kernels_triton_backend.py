@@ -149,7 +149,8 @@ def _run(
         driver.pool.store = lambda layer, loc, k, v: store(
             layer, loc, to_kv_dtype(k, round_kv_to).float(), to_kv_dtype(v, round_kv_to).float()
         )
-    use_fused_kernels(model, fused, skinny_rows)
+    # Every linear layer of the tiny checkpoints on the skinny kernel, however small its weight.
+    use_fused_kernels(model, fused, skinny_rows, skinny_min_weight=0)
     try:
         driver.prefill()
         for _ in range(NEW_TOKENS - 1):
