@@ -31,6 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout import RolloutEngine  # noqa: E402
+from rollout.config import ModelOptions  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
 
 
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
+    parser.add_argument("--skinny-gemm-max-rows", type=int, default=ModelOptions().skinny_gemm_max_rows)
+    parser.add_argument("--triton-decode-max-batch", type=int, default=ModelOptions().triton_decode_max_batch)
     args = parser.parse_args()
 
     options: dict = {
@@ -105,6 +108,8 @@ def main() -> None:
         "disable_cuda_graph": args.disable_cuda_graph,
         "disable_overlap_schedule": args.disable_overlap_schedule,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
+        "triton_decode_max_batch": args.triton_decode_max_batch,
     }
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens
@@ -158,6 +163,7 @@ def main() -> None:
         "decode_attention": info["decode_attention"],
         "cuda_graph": not args.disable_cuda_graph,
         "overlap_schedule": not args.disable_overlap_schedule,
+        "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
     }
     if args.compare == "hf":
         from benchmarks.hf_baseline import hf_throughput

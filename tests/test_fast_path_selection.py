@@ -159,7 +159,7 @@ def test_options_validate_backend_and_graph_size():
     assert ModelOptions().decode_attention_backend == "auto"
     with pytest.raises(ValueError, match="decode_attention_backend must be one of auto, flashinfer"):
         ModelOptions(decode_attention_backend="fi")
-    assert ModelOptions().skinny_gemm_max_rows == 1  # batch-1 decode
+    assert ModelOptions().skinny_gemm_max_rows == 16  # decode batches of up to 16 rows
     with pytest.raises(ValueError, match="skinny_gemm_max_rows must be in 0..16, got 17"):
         ModelOptions(skinny_gemm_max_rows=17)
     with pytest.raises(ValueError, match="triton_decode_max_batch must be >= 0, got -1"):
