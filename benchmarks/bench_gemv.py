@@ -77,6 +77,7 @@ def bench_projection(n: int, k: int, has_bias: bool, rows: int) -> dict:
 
     torch_ms = time_ms(torch_linear, calls=4 * copies, replays=5)
     row = {"torch_us": round(torch_ms * 1000, 1), "torch_TB/s": round(nbytes / torch_ms / 1e9, 3)}
+
     def engine_tiles():
         return skinny_gemm(x, ws[next(turn) % copies], b, **SKINNY_GEMM_TILES)
 

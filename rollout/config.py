@@ -49,8 +49,8 @@ class ModelOptions:
         "graph's padded size) on the Triton decode kernel; 0: none",
     )
     # Qwen2.5-7B on an H100 (benchmarks/RESULTS.md): one row decoded at 5.61 against 5.75 ms per
-    # token with torch's GEMM; 256 tokens for 8 and 16 prompts 4-5% faster in output tokens/s
-    # (2026-11-25, two paired runs each). With more rows the kernel gained nothing in the engine.
+    # token with torch's GEMM; 256 tokens for 16 prompts 3-4% and for 8 prompts 4-6% faster in
+    # output tokens/s (2026-11-25, two paired runs each). With more rows it gained nothing.
     skinny_gemm_max_rows: int = _opt(
         16,
         "on the GPU backends, linear layers over at most this many tokens (small decode "
