@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
     m.add_argument("--trainer-dtype", default="float32", help="the trainer's parameter dtype")
     m.add_argument(
         "--engine-option", action="append", default=[], metavar="NAME=VALUE",
-        help="any other engine option, e.g. mem_fraction=0.5 (repeatable; values parsed as JSON when they can be)",
+        help="any other engine option, e.g. mem_fraction=0.5 (repeatable; values parsed as JSON "
+        "when they can be)",
     )  # fmt: skip
 
     t = parser.add_argument_group("GRPO")
@@ -76,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
     )
 
     g = parser.add_argument_group("logging")
+    g.add_argument(
+        "--log-dir",
+        help="where the wandb run (offline unless WANDB_MODE says otherwise) and the PNG of the "
+        "curves go; default: ./runs/EXAMPLE-YYYYmmdd-HHMMSS",
+    )
     g.add_argument(
         "--no-wandb", action="store_true", help="do not log to wandb even when it is installed"
     )

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
         sender = WeightSender(engine, method="tensor", bucket_bytes=args.bucket_mb << 20)
         stack.callback(sender.close)
-        log = RunLog("ppo", vars(args), use_wandb=not args.no_wandb)
+        log = RunLog("ppo", vars(args), args.log_dir, use_wandb=not args.no_wandb)
         token_loss = functools.partial(ppo_kl_loss, reference=reference, args=args)
         version = engine.get_weight_version()
         scored: list[tuple[float, float]] = []  # (reward model, rule) of every sample

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         load_format = None if args.per_tensor else "flattened_bucket"
         task = DigitTask(AutoTokenizer.from_pretrained(model_path))
-        log = RunLog("remote_trainer", vars(args), use_wandb=not args.no_wandb)
+        log = RunLog("remote_trainer", vars(args), args.log_dir, use_wandb=not args.no_wandb)
         # grpo.py's PPO-clip, the ratio against the logprobs the server returned.
         token_loss = functools.partial(ppo_clip_loss, clip=args.clip)
         version = "step-0"

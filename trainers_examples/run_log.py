@@ -1,5 +1,10 @@
-"""Per-step metrics for the examples: a line on stdout, wandb (offline unless WANDB_MODE says
-otherwise, never an account), a progress bar over the steps, and one JSON summary line at the end.
+"""Per-step metrics for the examples: a line on stdout, a wandb run, a PNG of the curves, a
+progress bar over the steps, and one JSON summary line at the end.
+
+The wandb run and the PNG go to the run's directory, --log-dir (default
+./runs/NAME-YYYYmmdd-HHMMSS). wandb logs offline unless WANDB_MODE says otherwise (no account
+and no network needed; `wandb sync DIR` uploads the run later); without wandb or matplotlib
+installed the example runs all the same and says how to get them.
 
 Every step logs at least: reward (mean over the step's samples), logprob_gap (mean |engine -
 trainer| logprob over sampled tokens), weight_sync_s (the push) and rollout_tokens_per_s.
@@ -15,31 +20,56 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from run_plot import write_plot
 from tqdm import tqdm
 
 REQUIRED = ("reward", "logprob_gap", "weight_sync_s", "rollout_tokens_per_s")
+INSTALL_HINT = "pip install -e '.[examples]' in the repository, or pip install wandb matplotlib"
 
 
-def _start_wandb(name: str, config: dict) -> Any:
+def default_log_dir(name: str) -> str:
+    return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def start_wandb(name: str, config: dict, log_dir: str) -> tuple[Any, str]:
+    """(the wandb run or None, a phrase saying where the run logs or why it does not)."""
     try:
         import wandb
     except ImportError:
-        return None
-    # Offline by default: runs land in ./wandb and `wandb sync` uploads them if one wants.
+        return None, f"wandb is not installed, so no wandb run ({INSTALL_HINT})"
     mode = os.environ.get("WANDB_MODE", "offline")
-    return wandb.init(project=f"rollout-{name}", config=config, mode=mode)
+    if mode == "disabled":
+        return None, "no wandb run (WANDB_MODE=disabled)"
+    try:
+        # silent: wandb's own banner would repeat what finish() prints about where the run is.
+        run = wandb.init(
+            project=f"rollout-{name}",
+            name=os.path.basename(log_dir),
+            config=config,
+            mode=mode,
+            dir=log_dir,
+            settings=wandb.Settings(silent=True),
+        )
+    except Exception as e:  # e.g. WANDB_MODE=online without a login: the run goes on without it
+        return None, f"wandb.init failed ({type(e).__name__}: {e}), so no wandb run"
+    return run, f"wandb run ({run.settings.mode}) in {run.settings.sync_dir}"
 
 
 class RunLog:
-    def __init__(self, name: str, config: dict, use_wandb: bool = True) -> None:
+    def __init__(
+        self, name: str, config: dict, log_dir: str | None = None, use_wandb: bool = True
+    ) -> None:
         self.name = name
         self.history: list[dict[str, float]] = []
         self.started = time.perf_counter()
-        self.wandb_run = _start_wandb(name, config) if use_wandb else None
-        where = "wandb offline" if self.wandb_run is not None else "stdout only"
-        print(
-            f"[{name}] logging to {where}; config: {json.dumps(config, sort_keys=True)}", flush=True
-        )
+        self.log_dir = os.path.abspath(log_dir or default_log_dir(name))
+        os.makedirs(self.log_dir, exist_ok=True)
+        config = {**config, "log_dir": self.log_dir}
+        self.wandb_run, where = None, "no wandb run (--no-wandb)"
+        if use_wandb:
+            self.wandb_run, where = start_wandb(name, config, self.log_dir)
+        print(f"[{name}] run directory {self.log_dir}; {where}", flush=True)
+        print(f"[{name}] config: {json.dumps(config, sort_keys=True)}", flush=True)
 
     def steps(self, count: int) -> Iterator[int]:
         """range(count) under a progress bar (see progress)."""
@@ -79,11 +109,31 @@ class RunLog:
             "total_s": round(time.perf_counter() - self.started, 2),
             **extra,
         }
+        self._write_plot()
         if self.wandb_run is not None:
-            self.wandb_run.summary.update({k: v for k, v in summary.items() if k != "rewards"})
-            self.wandb_run.finish()
+            self._finish_wandb(summary)
         print(json.dumps(summary), flush=True)
         return summary
+
+    def _write_plot(self) -> None:
+        if not self.history:
+            return
+        path = os.path.join(self.log_dir, f"{self.name}.png")
+        if write_plot(self.history, path, os.path.basename(self.log_dir)):
+            print(f"[{self.name}] plot of reward and logprob gap per step: {path}", flush=True)
+        else:
+            print(f"[{self.name}] matplotlib is not installed, so no plot ({INSTALL_HINT})")
+
+    def _finish_wandb(self, summary: dict) -> None:
+        run = self.wandb_run
+        run.summary.update({k: v for k, v in summary.items() if not isinstance(v, list)})
+        run.finish()
+        if run.offline:
+            sync_dir = run.settings.sync_dir
+            print(f"[{self.name}] wandb run (offline): {sync_dir}", flush=True)
+            print(f"[{self.name}] upload it with: wandb sync {sync_dir}", flush=True)
+        else:
+            print(f"[{self.name}] wandb run: {run.url or run.settings.sync_dir}", flush=True)
 
 
 def progress(count: int, desc: str) -> tqdm:

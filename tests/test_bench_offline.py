@@ -1,0 +1,123 @@
+"""benchmarks/bench_offline.py as a newcomer first runs it: on the project's tiny model (a
+vocabulary of 882 ids, far below the 10,000 the workloads draw from) on the CPU, every workload
+runs end to end and prints its throughput; lengths a workload cannot draw from, or that do not
+fit the model's context, are refused with a message naming the flag, not a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_offline.py")
+TINY_VOCAB = 882
+TINY_CONTEXT = 4096  # max_position_embeddings of `rollout tiny-model`
+
+
+def run_bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the tiny model's ops are too small to split
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """The script as a module, to call main() in-process where no engine starts."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import bench_offline
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
+    return bench_offline
+
+
+def test_the_tiny_model_has_the_small_vocabulary_this_file_is_about(tiny_qwen3):
+    with open(os.path.join(tiny_qwen3, "config.json")) as f:
+        config = json.load(f)
+    assert config["vocab_size"] == TINY_VOCAB
+    assert config["max_position_embeddings"] == TINY_CONTEXT
+
+
+@pytest.mark.parametrize(
+    "workload, args, output_tokens",
+    [
+        ("nano", ["--num-seqs", "2", "--max-len", "100"], 2 * 100),  # lengths 100..100
+        ("grpo", ["--num-seqs", "1", "--max-len", "2"], 1 * 8 * 2),  # n=8 samples a prompt
+        ("fixed", ["--num-seqs", "2", "--max-len", "4"], 2 * 4),
+        ("random", ["--num-seqs", "2", "--input-len", "8", "--output-len", "1"], 2 * 1),
+    ],
+)
+def test_each_workload_runs_on_the_tiny_model_and_reports_its_throughput(
+    tiny_qwen3, workload, args, output_tokens
+):
+    proc = run_bench("--model-path", tiny_qwen3, "--workload", workload, "--device", "cpu", *args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["workload"] == workload and result["device"] == "cpu"
+    assert result["output_tokens"] == output_tokens  # ignore_eos: every request ran to its end
+    assert result["output_tok_per_s"] > 0 and result["seconds"] > 0
+
+
+def test_prompt_ids_are_folded_into_the_vocabulary_and_unchanged_where_it_is_large(bench):
+    small, _ = bench.nano_workload(8, 300, TINY_VOCAB)
+    assert max(max(p) for p in small) < TINY_VOCAB
+    # With a vocabulary above 10,000 the prompts are nano-vllm's own: randint(0, 10000) draws.
+    large, large_params = bench.nano_workload(8, 300, 151936)
+    assert max(max(p) for p in large) >= TINY_VOCAB
+    assert [len(p) for p in large] == [len(p) for p in small]
+    assert [[t % TINY_VOCAB for t in p] for p in large] == small
+    assert all(100 <= q["max_new_tokens"] <= 300 for q in large_params)
+
+
+def test_a_bad_length_is_a_usage_error_not_a_traceback(tiny_qwen3):
+    """The issue's own case: nano draws lengths in 100..max-len, so 32 leaves no range."""
+    proc = run_bench("--model", tiny_qwen3, "--workload", "nano", "--max-len", "32", timeout=60)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "--max-len must be >= 100 for --workload nano" in proc.stderr and "got 32" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workload", "fixed", "--input-len", "0"], "--input-len must be >= 1, got 0"),
+        (["--workload", "random", "--output-len", "-3"], "--output-len must be >= 1, got -3"),
+        (["--workload", "grpo", "--num-seqs", "0"], "--num-seqs must be >= 1, got 0"),
+        (["--workload", "random", "--range-ratio", "1.5"],
+         "--range-ratio must be in [0, 1], got 1.5"),
+        (["--workload", "fixed", "--range-ratio", "0.5"],
+         "--range-ratio applies to --workload random"),
+        (["--workload", "nano", "--output-len", "5"], "--input-len and --output-len apply to"),
+        (["--workload", "nano", "--max-len", "3000"], "--max-len 3000 makes prompts of up to 3000"),
+        (["--workload", "grpo", "--max-len", "4000"], "outputs of up to 4000 tokens, 4512 in all"),
+        (["--workload", "fixed", "--input-len", "4000", "--output-len", "200"],
+         "--input-len 4000 / --output-len 200"),
+        (["--workload", "random", "--max-len", "2049"], "over the model's context of 4096 tokens"),
+    ],
+)  # fmt: skip
+def test_lengths_a_workload_cannot_use_are_refused_before_the_engine_starts(
+    bench, tiny_qwen3, monkeypatch, capsys, args, message
+):
+    monkeypatch.setattr(sys, "argv", ["bench_offline.py", "--model", tiny_qwen3, *args])
+    monkeypatch.setattr(bench, "RolloutEngine", None)  # calling it would fail the test
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_context_the_kv_pool_shrinks_is_checked_once_the_engine_runs(tiny_qwen3):
+    """--max-total-tokens 128 leaves the engine a context of 128 tokens, which config.json does
+    not know: the lengths are checked again against the engine's own, and the engine stops."""
+    proc = run_bench(
+        "--model", tiny_qwen3, "--workload", "fixed", "--max-len", "100",
+        "--max-total-tokens", "128", "--device", "cpu",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "over the model's context of 128 tokens (the engine's context_length)" in proc.stderr
+    assert "Traceback" not in proc.stderr
