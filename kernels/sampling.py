@@ -145,6 +145,9 @@ def _sample_kernel(
         top_p = tl.load(top_p_ptr + row)
         if top_p < 1.0:
             cut_p = _radix_cut(row_ptr, temperature, top_p, best, cut_k, True, VOCAB, BLOCK)
+            # The top token always stays, as in the sampler: a top_p of 0 (or one whose target
+            # mass flushes to 0) would otherwise cut above every key and keep nothing.
+            cut_p = tl.minimum(cut_p, _order_key(best))
     floor = tl.full([], float("-inf"), tl.float32)
     if USE_MIN_P:
         # prob < min_p * max_prob  <=>  x < max(x) + log(min_p); min_p = 0 keeps all.
@@ -219,7 +222,8 @@ def sample_tokens(
     chunk: int = 8192,
 ) -> torch.Tensor:
     """logits: [B, V] (penalties already applied), last dim contiguous. Per row, as in
-    SamplingBatch: temperatures [B] or [B, 1]; greedy [B] bool; top_ks [B] int64 (>= V: off);
+    SamplingBatch: temperatures [B] or [B, 1] (> 0 where not greedy: SamplingBatch makes
+    temperatures too small for float32 greedy); greedy [B] bool; top_ks [B] int64 (>= V: off);
     top_ps, min_ps [B] float32 (1 and 0: off); seeds, steps [B] int64. The use_* flags are
     host-known promises that no row needs that filter (False skips its passes); with none,
     each row is drawn in chunks of `chunk` tokens by programs of their own. Returns [B] int64

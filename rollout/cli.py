@@ -24,7 +24,8 @@ def _generate(args: argparse.Namespace) -> None:
         print(json.dumps(engine.generate(prompt, params), indent=1))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Returns the exit status (`rollout serve`: 1 when the engine died while serving)."""
     parser = argparse.ArgumentParser(prog="rollout", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -55,10 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "serve":
         from rollout.server.launch import main as serve_main
 
-        serve_main(argv[1:])
-        return
+        return serve_main(argv[1:])
     args = parser.parse_args(argv)
     args.func(args)
+    return 0
 
 
 if __name__ == "__main__":

@@ -182,12 +182,64 @@ class WeightSyncOptions:
             raise ValueError(f"weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")
 
 
+MAX_SAMPLES_PER_CALL = 16384  # prompts x n of one call: bounds the work of one request body
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Bounds on what one call may ask for. Each is checked before any work is done; a call
+    beyond one is a ValueError (HTTP 400) naming the option and the value."""
+
+    # Real text averages 3-5 bytes per token. A token is at least one byte, so the bound also
+    # caps the tokens of one prompt, and with them the tokenizer's time, memory and the slices
+    # in which it holds the GIL (benchmarks/RESULTS.md has what they cost).
+    max_bytes_per_token: int = _opt(
+        16,
+        "prompt texts longer than context_length x this many bytes (UTF-8) are refused before "
+        "tokenizing: no such text fits the context",
+    )
+    max_n: int = _opt(
+        1024, f"largest n (samples of one prompt) of a request; at most {MAX_SAMPLES_PER_CALL}"
+    )
+    max_top_logprobs_num: int = _opt(256, "largest top_logprobs_num of a request")
+    max_logprob_entries: int = _opt(
+        2**22,
+        "most top-logprob and token_ids_logprob entries one call may return: the sum over its "
+        "samples of logprob positions (the prompt's from logprob_start_len, plus the tokens "
+        "max_new_tokens allows) x (top_logprobs_num + len(token_ids_logprob))",
+    )
+    allow_user_chat_template: bool = _opt(
+        False,
+        "accept a caller's own template (chat_template in chat_template_kwargs), rendered in "
+        "Jinja's sandbox for at most chat_template_timeout_s; allow it only for trusted callers, "
+        "as one template operation can still take much memory",
+    )
+    chat_template_timeout_s: float = _opt(
+        2.0, "longest a caller's own chat template may render (with allow_user_chat_template)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_bytes_per_token < 1:
+            raise ValueError(f"max_bytes_per_token must be >= 1, got {self.max_bytes_per_token}")
+        if not 1 <= self.max_n <= MAX_SAMPLES_PER_CALL:
+            raise ValueError(f"max_n must be in [1, {MAX_SAMPLES_PER_CALL}], got {self.max_n}")
+        if self.max_top_logprobs_num < 0:
+            raise ValueError(f"max_top_logprobs_num must be >= 0, got {self.max_top_logprobs_num}")
+        if self.max_logprob_entries < 0:
+            raise ValueError(f"max_logprob_entries must be >= 0, got {self.max_logprob_entries}")
+        if not self.chat_template_timeout_s > 0:
+            raise ValueError(
+                f"chat_template_timeout_s must be > 0, got {self.chat_template_timeout_s}"
+            )
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     model: ModelOptions
     cache: CacheOptions = field(default_factory=CacheOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     weight_sync: WeightSyncOptions = field(default_factory=WeightSyncOptions)
+    requests: RequestOptions = field(default_factory=RequestOptions)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineOptions:
@@ -206,6 +258,7 @@ _PARTS = {
     "cache": CacheOptions,
     "scheduler": SchedulerOptions,
     "weight_sync": WeightSyncOptions,
+    "requests": RequestOptions,
 }
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
 from rollout.server.launch import main
 
 if __name__ == "__main__":
-    main(prog="python -m rollout.serve")
+    sys.exit(main(prog="python -m rollout.serve"))

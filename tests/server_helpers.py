@@ -7,7 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+
+import httpx
 
 from rollout.client import RolloutClient
 
@@ -54,3 +57,26 @@ def stop_server(proc: subprocess.Popen, timeout: float = 15) -> None:
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def health_latencies_while(url: str, body: bytes) -> tuple[httpx.Response, list[float]]:
+    """Posts body to /generate on one connection and polls /health on another until it is
+    answered. Returns the answer and every /health latency (each /health must be a 200)."""
+    answer: dict = {}
+
+    def send() -> None:
+        headers = {"content-type": "application/json"}
+        answer["resp"] = httpx.post(url + "/generate", content=body, headers=headers, timeout=300)
+
+    sender = threading.Thread(target=send)
+    latencies = []
+    with httpx.Client(base_url=url, timeout=30) as http:
+        http.get("/health")
+        sender.start()
+        while sender.is_alive():
+            start = time.monotonic()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.005)
+    sender.join()
+    return answer["resp"], latencies

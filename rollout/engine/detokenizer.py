@@ -9,10 +9,13 @@ text is cut before the stop string. Joining a stream's deltas gives the final te
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engine.messages import DecodeParams, ReqOutput
+from rollout.engine.messages import DecodeParams, ReqOutput, failure_reason
+
+logger = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"
 
@@ -67,6 +70,17 @@ class Detokenizer:
         out.text = state.text[state.sent : end]
         state.sent = end
 
+    def process_or_fail(self, out: ReqOutput) -> None:
+        """As `process`; if decoding fails, the output instead finishes its request with an error
+        (the tokenizer manager then aborts it) and the detokenizer serves on."""
+        try:
+            self.process(out)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            logger.exception("request %s: decoding its text failed", out.rid)
+            self.states.pop(out.rid, None)
+            out.text = ""
+            out.finish_reason = failure_reason("decoding its text", e)
+
     def _decode(self, state: DecodeState, final: bool) -> None:
         p = state.params
         kw = {
@@ -94,6 +108,7 @@ def run_detokenizer_process(tokenizer_path: str, addrs: Any, parent_pid: int) ->
     from rollout.engine.processes import watch_parent
 
     watch_parent(parent_pid)
+    logging.basicConfig(level=logging.WARNING, format="[detokenizer] %(levelname)s %(message)s")
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
     recv.bind(addrs.detokenizer)
@@ -108,7 +123,7 @@ def run_detokenizer_process(tokenizer_path: str, addrs: Any, parent_pid: int) ->
         msg = recv.recv_pyobj()
         if isinstance(msg, ReqOutputBatch):
             for out in msg.outputs:
-                detok.process(out)
+                detok.process_or_fail(out)
         send.send_pyobj(msg)
         if isinstance(msg, SchedulerFailed) or (
             isinstance(msg, ControlReply) and msg.result == "shutdown"

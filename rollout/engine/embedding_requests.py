@@ -14,7 +14,15 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from rollout.engine.request_validation import GenerateInput, build_inputs
+from rollout.config import MAX_SAMPLES_PER_CALL
+from rollout.engine.chat_template import chat_ids
+from rollout.engine.request_limits import RequestLimits
+from rollout.engine.request_validation import (
+    GenerateInput,
+    build_inputs,
+    encode_prompt,
+    validate_prompt_length,
+)
 
 Finish = Callable[[list[dict]], Any]
 
@@ -34,7 +42,7 @@ def check_embedding_mode(model_path: str, is_embedding: bool) -> None:
         )
 
 
-def _chat_ids(tokenizer: Any, messages: Any) -> tuple[list[list[int]], bool]:
+def _chat_ids(tokenizer: Any, limits: RequestLimits, messages: Any) -> tuple[list[list[int]], bool]:
     """One conversation (a list of {"role", "content"}) or a list of them -> token ids each."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} dicts, or a list of such lists")
@@ -44,24 +52,24 @@ def _chat_ids(tokenizer: Any, messages: Any) -> tuple[list[list[int]], bool]:
     for conv in convs:
         if not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
             raise ValueError("each message must be a dict with role and content")
-        text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=False)
-        # The template writes any special tokens itself.
-        ids.append(tokenizer.encode(text, add_special_tokens=False))
+        ids.append(chat_ids(tokenizer, limits, conv, add_generation_prompt=False))
     return ids, batched
 
 
 def embed_inputs(
-    tokenizer: Any, prompt: Any, input_ids: Any, messages: Any, normalize: bool, rid: Any
-) -> tuple[list[GenerateInput], Finish]:
+    tokenizer: Any, limits: RequestLimits, prompt: Any, input_ids: Any, messages: Any,
+    normalize: bool, rid: Any,
+) -> tuple[list[GenerateInput], Finish]:  # fmt: skip
     """Requests for encode/classify: exactly one of prompt (str or list), input_ids (a list of
     ids or of lists) or messages. The result is one dict per prompt; a single prompt, one dict."""
     if messages is not None:
         if prompt is not None or input_ids is not None:
             raise ValueError("give exactly one of prompt, input_ids or messages")
-        input_ids, batched = _chat_ids(tokenizer, messages)
+        input_ids, batched = _chat_ids(tokenizer, limits, messages)
         if not batched:
             input_ids = input_ids[0]
-    inputs, batched = build_inputs(tokenizer, prompt, input_ids, None, rid)
+    # Prefill only: no new tokens (the scheduler generates none for an embed request).
+    inputs, batched = build_inputs(tokenizer, limits, prompt, input_ids, {"max_new_tokens": 0}, rid)
     for inp in inputs:
         inp.embed, inp.normalize = True, bool(normalize)
     return inputs, (lambda outs: outs if batched else outs[0])
@@ -72,8 +80,9 @@ def _is_ids(value: Any) -> bool:
 
 
 def score_inputs(
-    tokenizer: Any, query: Any, items: Any, label_token_ids: Any, apply_softmax: bool, item_first: bool
-) -> tuple[list[GenerateInput], Finish]:
+    tokenizer: Any, limits: RequestLimits, query: Any, items: Any, label_token_ids: Any,
+    apply_softmax: bool, item_first: bool,
+) -> tuple[list[GenerateInput], Finish]:  # fmt: skip
     """Requests for score: query and items both text (str, and str or list of str) or both
     token ids (a list of ids, and one list or a list of lists). The result is one list per
     item: the probability of each label token at the position after query + item (item +
@@ -84,24 +93,42 @@ def score_inputs(
         item_list = [items] if isinstance(items, str) else items
         if not isinstance(item_list, list) or not item_list or not all(isinstance(i, str) for i in item_list):
             raise ValueError("with a text query, items must be a str or a non-empty list of str")
-        texts = [item + query if item_first else query + item for item in item_list]
-        ids = [tokenizer.encode(t) for t in texts]
+        _check_count(item_list)
+        limits.check_text(query, "the query")
+        ids = []
+        for i, item in enumerate(item_list):
+            limits.check_text(item, f"item {i}")
+            text = item + query if item_first else query + item
+            ids.append(encode_prompt(tokenizer, limits, text, f"query + item {i}"))
     elif _is_ids(query) and query:
         item_list = [items] if _is_ids(items) else items
         if not isinstance(item_list, list) or not item_list or not all(_is_ids(i) for i in item_list):
             raise ValueError("with a token-id query, items must be a list of ids or a list of such lists")
-        ids = [list(item) + query if item_first else query + list(item) for item in item_list]
+        _check_count(item_list)
+        ids = []
+        for item in item_list:
+            # Before joining them: items x a long query would be a lot of memory to reject.
+            validate_prompt_length(len(query) + len(item), limits.context_length)
+            ids.append(list(item) + query if item_first else query + list(item))
     else:
         raise ValueError("query must be a non-empty str or a non-empty list of token ids")
     params = {"max_new_tokens": 1, "temperature": 0.0}
     inputs, _ = build_inputs(
-        tokenizer, None, ids, params, None, return_logprob=True, token_ids_logprob=list(label_token_ids)
-    )
+        tokenizer, limits, None, ids, params, None, return_logprob=True,
+        token_ids_logprob=list(label_token_ids),
+    )  # fmt: skip
 
     def finish(outs: list[dict]) -> list[list[float]]:
         return [_label_probs(out, label_token_ids, apply_softmax) for out in outs]
 
     return inputs, finish
+
+
+def _check_count(items: list) -> None:
+    if len(items) > MAX_SAMPLES_PER_CALL:
+        raise ValueError(
+            f"score takes at most {MAX_SAMPLES_PER_CALL} items per call, got {len(items)}"
+        )
 
 
 def _label_probs(out: dict, label_token_ids: list[int], apply_softmax: bool) -> list[float]:

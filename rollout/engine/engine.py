@@ -2,7 +2,9 @@
 
 It starts the scheduler and detokenizer subprocesses and runs the TokenizerManager on an
 event loop of its own, in a background thread, so the synchronous API works anywhere (also
-inside Jupyter or another event loop) and `async_generate` works from any loop.
+inside Jupyter or another event loop) and `async_generate` works from any loop. The async
+calls tokenize and render chat templates on worker threads of the engine, never on the
+caller's loop (a server's loop must keep answering while a long prompt is tokenized).
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ import asyncio
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from rollout.config import EngineOptions
 from rollout.engine import embedding_requests
 from rollout.engine.processes import Addresses, start_process, stop_process
+from rollout.engine.request_limits import RequestLimits
 from rollout.engine.request_validation import GenerateInput, build_inputs
 from rollout.weight_sync import calls
 
 _END = object()
+# HF fast tokenizers release the GIL while they encode: a few threads tokenize in parallel.
+TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
 
 
 class RolloutEngine:
@@ -44,6 +49,7 @@ class RolloutEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-tm", daemon=True)
         self._thread.start()
+        self._workers = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="rollout-tokenize")
         self._closed = False
         try:
             self._tm = self._call(self._make_tm(TokenizerManager))
@@ -55,6 +61,7 @@ class RolloutEngine:
                 start_process(run_detokenizer_process, (tok_path, self._addrs, pid), "rollout-detokenizer")
             )
             self.info = self._call(self._tm.start())
+            self.limits = RequestLimits(self.info["context_length"], self.options.requests)
         except BaseException:
             self.shutdown()
             raise
@@ -66,6 +73,11 @@ class RolloutEngine:
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def run_in_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Awaits fn(*args, **kwargs) run on the engine's tokenizer threads: CPU work on a
+        request (tokenizing, chat templates) that must not hold the caller's event loop."""
+        return await asyncio.wrap_future(self._workers.submit(fn, *args, **kwargs))
 
     # ---- generation -----------------------------------------------------------------------
     def generate(
@@ -113,7 +125,8 @@ class RolloutEngine:
         rid: str | list[str] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate, awaited; with stream=True, an async iterator. Cancelling aborts."""
-        inputs, batched = self._inputs(
+        inputs, batched = await self.run_in_worker(
+            self._inputs,
             prompt,
             input_ids,
             sampling_params,
@@ -130,6 +143,14 @@ class RolloutEngine:
         results = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop))
         return results if batched else results[0]
 
+    def validate_generate(
+        self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
+        rid: Any = None, **options: Any,
+    ) -> None:  # fmt: skip
+        """Raises what generate would for these arguments (ValueError, TypeError) without
+        running anything: for callers that split one request into several."""
+        self._inputs(prompt, input_ids, sampling_params, rid, **{**options, "stream": False})
+
     def _inputs(self, *args: Any, **kw: Any) -> tuple[list[GenerateInput], bool]:
         self._check_open()
         if self.options.model.is_embedding:
@@ -137,7 +158,7 @@ class RolloutEngine:
                 "this engine serves embeddings (is_embedding=True): use encode, classify or score, "
                 "or start it without is_embedding to generate"
             )
-        return build_inputs(self.tokenizer, *args, **kw)
+        return build_inputs(self.tokenizer, self.limits, *args, **kw)
 
     # ---- embeddings, rewards and label scores (see embedding_requests.py) -------------------
     def encode(self, prompt: Any = None, input_ids: Any = None, normalize: bool = False, rid: Any = None) -> Any:
@@ -148,7 +169,7 @@ class RolloutEngine:
     async def async_encode(
         self, prompt: Any = None, input_ids: Any = None, normalize: bool = False, rid: Any = None
     ) -> Any:
-        return await self._arun(self._embed(prompt, input_ids, None, normalize, rid))
+        return await self._arun(self._embed, prompt, input_ids, None, normalize, rid)
 
     def classify(self, prompt: Any = None, input_ids: Any = None, messages: Any = None, rid: Any = None) -> Any:
         """As encode; `messages` (a chat, or a list of chats) go through the chat template.
@@ -158,7 +179,7 @@ class RolloutEngine:
     async def async_classify(
         self, prompt: Any = None, input_ids: Any = None, messages: Any = None, rid: Any = None
     ) -> Any:
-        return await self._arun(self._embed(prompt, input_ids, messages, False, rid))
+        return await self._arun(self._embed, prompt, input_ids, messages, False, rid)
 
     def score(
         self, query: Any, items: Any, label_token_ids: list[int], apply_softmax: bool = False,
@@ -172,26 +193,27 @@ class RolloutEngine:
         self, query: Any, items: Any, label_token_ids: list[int], apply_softmax: bool = False,
         item_first: bool = False,
     ) -> list[list[float]]:  # fmt: skip
-        return await self._arun(self._score(query, items, label_token_ids, apply_softmax, item_first))
+        args = (query, items, label_token_ids, apply_softmax, item_first)
+        return await self._arun(self._score, *args)
 
     def _embed(self, *args: Any) -> tuple[list[GenerateInput], embedding_requests.Finish]:
         self._check_open()
         if not self.options.model.is_embedding:
             raise ValueError("encode and classify need an engine started with is_embedding=True")
-        return embedding_requests.embed_inputs(self.tokenizer, *args)
+        return embedding_requests.embed_inputs(self.tokenizer, self.limits, *args)
 
     def _score(self, *args: Any) -> tuple[list[GenerateInput], embedding_requests.Finish]:
         self._check_open()
         if self.is_classifier:
             raise ValueError("score needs a causal LM (label-token probabilities); this checkpoint is a classifier")
-        return embedding_requests.score_inputs(self.tokenizer, *args)
+        return embedding_requests.score_inputs(self.tokenizer, self.limits, *args)
 
     def _run(self, built: tuple[list[GenerateInput], embedding_requests.Finish]) -> Any:
         inputs, finish = built
         return finish(self._call(self._gather(inputs)))
 
-    async def _arun(self, built: tuple[list[GenerateInput], embedding_requests.Finish]) -> Any:
-        inputs, finish = built
+    async def _arun(self, build: Callable[..., Any], *args: Any) -> Any:
+        inputs, finish = await self.run_in_worker(build, *args)
         fut = asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop)
         return finish(await asyncio.wrap_future(fut))
 
@@ -283,10 +305,14 @@ class RolloutEngine:
         )
 
     def update_weights_from_disk(
-        self, model_path: str, load_format: str | None = None, weight_version: str | None = None
-    ) -> dict:
-        """Loads a checkpoint directory of the same network (config checked), all or none."""
-        return self._weight_call(calls.update_weights_from_disk(model_path, load_format, weight_version))
+        self, model_path: str, load_format: str | None = None, weight_version: str | None = None,
+        allowed_roots: list[str] | None = None,
+    ) -> dict:  # fmt: skip
+        """Loads a checkpoint directory of the same network (config checked), all or none.
+        allowed_roots: every file read must resolve under one of these (else PermissionError)."""
+        return self._weight_call(
+            calls.update_weights_from_disk(model_path, load_format, weight_version, allowed_roots)
+        )
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first truncate_size rows of a weight (HF name), as float lists."""
@@ -338,9 +364,21 @@ class RolloutEngine:
         return self._call(self._tm.control("get_server_info"))
 
     def is_alive(self) -> bool:
-        """True while the engine is open and its subprocesses serve."""
+        """True while the engine is open and its subprocesses serve (dead_reason is None)."""
+        return getattr(self, "_tm", None) is not None and self.dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine no longer serves, None while it does: shut down, or what the
+        tokenizer manager found (e.g. the scheduler's error, whose trace it logged) and which
+        subprocesses exited with what code."""
+        if self._closed:
+            return "the engine is shut down"
         tm = getattr(self, "_tm", None)
-        return not self._closed and tm is not None and tm.dead is None and all(p.is_alive() for p in self._procs)
+        reasons = [tm.dead.splitlines()[0]] if tm is not None and tm.dead else []
+        exited = [p for p in self._procs if not p.is_alive()]
+        reasons += [f"{p.name} exited with code {p.exitcode}" for p in exited]
+        return "; ".join(reasons) or None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -350,6 +388,9 @@ class RolloutEngine:
         """Stops the subprocesses and the background loop. Idempotent."""
         if self._closed:
             return
+        # A dead engine's children have nothing left to finish, and no shutdown message reaches
+        # them (the detokenizer would sit out the whole graceful wait): they are killed at once.
+        grace_s = 0 if self.dead_reason is not None else 5
         self._closed = True
         tm = getattr(self, "_tm", None)
         if tm is not None and self._loop.is_running():
@@ -358,7 +399,8 @@ class RolloutEngine:
             except Exception:  # noqa: BLE001 - shutting down regardless
                 pass
         for proc in self._procs:
-            stop_process(proc, timeout=5)
+            stop_process(proc, timeout=grace_s)
+        self._workers.shutdown(wait=False, cancel_futures=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._addrs.cleanup()

@@ -66,6 +66,11 @@ class KVManager:
         self.req_to_token.write_many(rows, cols, slots)
         return slots
 
+    def free_unused(self, slots: torch.Tensor) -> None:
+        """Frees slots allocated for a step that never ran (its launch failed): no request's
+        kv_len counts them, so no release would."""
+        self.allocator.free(slots)
+
     def insert_computed(self, req: Req) -> None:
         """After a prefill chunk: put the request's computed KV in the cache so requests arriving
         next (the other samples of a GRPO prompt) reuse it; the request keeps it locked."""

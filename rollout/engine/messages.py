@@ -7,6 +7,7 @@ detokenizer -> tokenizer manager: the same, with `ReqOutput.text` filled in
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,8 @@ class SchedulerReady:
 
 @dataclass
 class SchedulerFailed:
-    """The scheduler died; `error` is its traceback. Every pending call fails with it."""
+    """The scheduler died; `error` is its traceback, for the caller's log (clients get
+    `public_error` of it). Every pending call fails."""
 
     error: str
 
@@ -78,7 +80,9 @@ class ReqOutput:
 
     rid: str
     new_ids: list[int]
-    finish_reason: dict[str, Any] | None  # {"type": "stop"|"length"|"abort", "matched": ...}
+    # {"type": "stop"|"length"|"abort", "matched": ...}; {"type": "error", "message": ...} when
+    # serving this request failed (its request alone: the engine serves on).
+    finish_reason: dict[str, Any] | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -102,3 +106,23 @@ class ReqOutput:
 @dataclass
 class ReqOutputBatch:
     outputs: list[ReqOutput]
+
+
+# Two or more separators: "/tmp/x", "C:\Users\me", "a/b/c", not "1/2".
+_PATH = re.compile(r"(?:[A-Za-z]:)?[\w.@+-]*(?:[\\/][\w.@+-]+){2,}[\\/]?")
+_MAX_PUBLIC_CHARS = 300
+
+
+def public_error(text: str) -> str:
+    """What of an error message may reach a client: its last line (a traceback's is the
+    exception itself), file paths masked, at most 300 characters. The whole text belongs in
+    the log of the process that caught it."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    line = _PATH.sub("<path>", lines[-1] if lines else "unknown error")
+    return line if len(line) <= _MAX_PUBLIC_CHARS else line[: _MAX_PUBLIC_CHARS - 3] + "..."
+
+
+def failure_reason(during: str, exc: BaseException) -> dict[str, Any]:
+    """The finish_reason of a request whose serving failed `during` (e.g. "its forward step")."""
+    message = public_error(f"{during} failed: {type(exc).__name__}: {exc}")
+    return {"type": "error", "message": message}

@@ -165,6 +165,13 @@ class ModelRunner:
         step.copy_to_host(self.device)
         return step
 
+    def check_device(self) -> None:
+        """Raises if the device can run no more work. A CUDA error such as a device-side assert
+        breaks the context for good (every later call fails with it); an error that leaves the
+        device working, such as running out of memory, was the failing step's own."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def resolve(self, step: LaunchedStep) -> list[ReqStepOutput]:
         """Waits for a launched step; one output per request of its batch, in order."""
         return step.outputs()

@@ -49,6 +49,7 @@ def accumulate(acc: Accumulated, out: ReqOutput) -> None:
         if values:
             acc.lists.setdefault(key, []).extend(values)
 
+
 def build_output(acc: Accumulated, latency: float) -> dict[str, Any]:
     out = acc.last
     assert out is not None
@@ -69,6 +70,9 @@ def build_output(acc: Accumulated, latency: float) -> dict[str, Any]:
         for key in ("completion_tokens", "weight_version_changes"):
             meta.pop(key)
         return {"embedding": acc.embedding, "meta_info": meta}
+    if acc.inp.max_new_tokens_capped is not None:
+        # Not silent: the request asked for more tokens than the context leaves after the prompt.
+        meta["max_new_tokens_capped"] = acc.inp.max_new_tokens_capped
     if acc.inp.return_logprob:
         for key in _LOGPROB_KEYS:
             meta[key] = [_with_text(e) for e in acc.lists.get(key, [])]

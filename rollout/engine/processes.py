@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -49,17 +50,28 @@ def watch_parent(parent_pid: int) -> None:
 
 
 def start_process(target, args: tuple, name: str) -> mp.Process:
+    """Starts `target(*args)` in a fresh interpreter. The child ignores SIGINT and SIGTERM: the
+    process that started it stops it (a shutdown message, then stop_process). A Ctrl+C, or a
+    SIGTERM sent to the whole process group, would otherwise kill the scheduler first, failing
+    the requests in flight instead of letting the parent abort them and exit cleanly."""
     # spawn: a forked child would inherit the caller's CUDA context and threads.
-    proc = mp.get_context("spawn").Process(target=target, args=args, name=name, daemon=True)
+    proc = mp.get_context("spawn").Process(
+        target=_run_child, args=(target, args), name=name, daemon=True
+    )
     proc.start()
     return proc
 
 
+def _run_child(target, args: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    target(*args)
+
+
 def stop_process(proc: mp.Process, timeout: float) -> None:
+    """Waits up to `timeout` for the child to exit on its own, then kills it (it ignores
+    SIGTERM, see start_process); returns once it is reaped."""
     proc.join(timeout)
     if proc.is_alive():
-        proc.terminate()
-        proc.join(2)
-    if proc.is_alive():
         proc.kill()
-        proc.join(2)
+        proc.join(5)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from rollout.engine.forward_batch import ForwardMode
-from rollout.engine.messages import TokenizedRequest
+from rollout.engine.messages import DecodeParams, ReqOutput, TokenizedRequest
 
 
 @dataclass
@@ -76,6 +77,41 @@ class Req:
     def add_pending(self, key: str, value: Any) -> None:
         self.pending.setdefault(key, []).append(value)
 
+    def take_output(self, weight_version: str) -> ReqOutput:
+        """The request's news since its last output; clears what it reports."""
+        new_ids = self.output_ids[self.sent_ids :]
+        self.sent_ids = len(self.output_ids)
+        p, self.pending = self.pending, {}
+        decode_params = None
+        if not self.reported:
+            self.reported = True
+            params = self.req.params
+            decode_params = DecodeParams(
+                tuple(params.stop or ()),
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+                params.no_stop_trim,
+            )
+        return ReqOutput(
+            rid=self.rid,
+            new_ids=new_ids,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens,
+            weight_version=weight_version,
+            output_token_logprobs=p.get("output_token_logprobs"),
+            output_top_logprobs=p.get("output_top_logprobs"),
+            output_token_ids_logprobs=p.get("output_token_ids_logprobs"),
+            input_token_logprobs=p.get("input_token_logprobs"),
+            input_top_logprobs=p.get("input_top_logprobs"),
+            input_token_ids_logprobs=p.get("input_token_ids_logprobs"),
+            hidden_states=p.get("hidden_states"),
+            embedding=p["embedding"][-1] if p.get("embedding") else None,
+            weight_version_changes=p.get("weight_version_changes"),
+            decode_params=decode_params,
+        )
+
 
 @dataclass
 class ScheduleBatch:
@@ -101,6 +137,15 @@ class ScheduleBatch:
         self.sampling = [
             start + ext == len(r.ids)
             for r, start, ext in zip(self.reqs, self.starts, self.extend_lens)
+        ]
+
+    def split(self) -> list[ScheduleBatch]:
+        """One batch per request, each with its own slots of out_cache_loc. (Planned as this
+        one was: no request's kv_len has moved since.)"""
+        ends = itertools.accumulate(self.extend_lens)
+        return [
+            ScheduleBatch(self.mode, [req], [n], self.out_cache_loc[end - n : end])
+            for req, n, end in zip(self.reqs, self.extend_lens, ends)
         ]
 
     def samples(self, i: int) -> bool:

@@ -14,7 +14,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rollout.engine.sampling_params import SamplingParams
+from rollout.engine.sampling_params import (
+    MIN_PROBABILITY,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
 
 # Rows are filtered and sampled in chunks of about this many logits, which bounds the
 # [rows, V] int64 temporaries (sort indices, hash state) to 128 MiB each.
@@ -97,7 +102,7 @@ class SamplingBatch:
         used = (values != _NEUTRAL).any(axis=1)
         # top_k may be any int: every one above V is as off as V + 1.
         top_k = np.array([p.top_k if p.top_k <= V else V + 1 for p in params], dtype=np.int64)
-        greedy = (temperature == 0) | (top_k == 1)
+        greedy = (temperature < MIN_TEMPERATURE) | (top_k == 1)
         num_greedy = int(np.count_nonzero(greedy))
         top_ks = np.where((top_k > 0) & (top_k < V), top_k, V)
         ints = np.empty((3, n), dtype=np.int64)
@@ -106,6 +111,7 @@ class SamplingBatch:
         ints[2] = steps
         floats = values.astype(np.float32)
         floats[0, greedy] = 1.0
+        _to_float32_limits(floats)
         host = {"ints": ints, "floats": floats, "greedy": greedy}
         # Penalties and bans are rare: their (rows, ids) pairs are built only when a row has one.
         if used[3]:
@@ -148,6 +154,17 @@ class SamplingBatch:
 # The rows of `values` in SamplingBatch.build at their neutral values: top_p <= 1 and min_p >= 0,
 # so a row that moves one uses it. (Row 0, the temperature, is not asked.)
 _NEUTRAL = np.array([[1.0], [1.0], [0.0], [1.0], [0.0], [0.0]])
+
+
+def _to_float32_limits(floats: np.ndarray) -> None:
+    """floats: [6, B] float32 as in SamplingBatch.build, changed in place. Values too small for
+    float32 to act on act as their limit (see sampling_params): top_p keeps the top token,
+    min_p cuts nothing, a repetition penalty stays finite. Temperatures are done: rows below
+    MIN_TEMPERATURE are greedy."""
+    top_p, min_p, repetition = floats[1], floats[2], floats[3]
+    np.maximum(top_p, MIN_PROBABILITY, out=top_p)
+    min_p[min_p < MIN_PROBABILITY] = 0.0
+    np.maximum(repetition, MIN_REPETITION_PENALTY, out=repetition)
 
 
 def _pairs(rows: list[int], id_lists: list[list[int]]) -> np.ndarray | None:
@@ -250,8 +267,10 @@ def _sample_rows(logits: Tensor, batch: SamplingBatch, rows: slice) -> Tensor:
         top_p = batch.top_ps[rows, None]  # [R, 1]
         probs = x.softmax(dim=-1)
         sorted_p = probs.sort(dim=-1, descending=True).values
-        # Keep the most likely tokens until their mass reaches top_p (the first always stays).
+        # Keep the most likely tokens until their mass reaches top_p (the first always stays:
+        # also where logits / T overflowed and the probabilities are nan).
         n_keep = ((sorted_p.cumsum(dim=-1) - sorted_p) < top_p).sum(dim=-1, keepdim=True)
+        n_keep.clamp_(min=1)
         cut = torch.where(top_p < 1, sorted_p.gather(1, n_keep - 1), 0.0)
         x.masked_fill_(probs < cut, neg_inf)
     if batch.use_min_p:

@@ -8,6 +8,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+# Every float field must fit in float32, the precision the sampler computes in: a larger value
+# would become inf there.
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
+# NOTE: valid values too small for float32 act as their limit; SamplingBatch.build applies these
+# for the torch sampler and the kernel alike. float32 rounds 1e-50 to 0, and GPUs may flush
+# denormals (below 1.2e-38) to 0.
+# A temperature below this is greedy: logits / T would overflow float32 from |logits| ~ 3e8 on
+# (a division by zero at 0), and so small a temperature takes the argmax anyway.
+MIN_TEMPERATURE = 1e-30
+# top_p or min_p below this: top_p keeps the top token only, min_p cuts nothing.
+MIN_PROBABILITY = 1e-30
+# A repetition penalty divides positive logits: below this it acts as this (still finite).
+MIN_REPETITION_PENALTY = 1e-30
+
 
 @dataclass
 class SamplingParams:
@@ -82,7 +96,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 _BOOL_FIELDS = (
@@ -104,9 +118,19 @@ def _check_int(name: str, value: Any, ok: Callable[[int], bool], allowed: str) -
 def _float(name: str, value: Any, ok: Callable[[float], bool], allowed: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float64
+        raise ValueError(
+            f"{name} must be {allowed} and at most {FLOAT32_MAX:.4g} (float32), got an int "
+            f"of {value.bit_length()} bits"
+        ) from None
     if not math.isfinite(value) or not ok(value):
         raise ValueError(f"{name} must be {allowed}, got {value}")
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must be {allowed} and at most {FLOAT32_MAX:.4g} (float32), got {value}"
+        )
     return value
 
 

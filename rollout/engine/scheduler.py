@@ -11,6 +11,11 @@ slots, the prefix cache, which requests run) advances at launch; tokens and fini
 So a request that finished in k-1 may be in k: that token is dropped and its KV freed. A batch
 whose requests have sampling penalties is applied before the next is planned (penalties read the
 tokens so far); every call that changes requests or weights from outside `drain`s first.
+
+Failures: an exception while adding a request, launching a batch or recording one request's
+results finishes those requests with finish_reason {"type": "error"} (their KV freed, the
+trace logged) and the scheduler serves on. One that no request explains (planning, waiting for
+the device, a device that no longer works) propagates: the process reports it and exits.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from rollout.config import EngineOptions
 from rollout.engine.forward_batch import ForwardMode
 from rollout.engine.kv_manager import KVManager
 from rollout.engine.launched_step import LaunchedStep, ReqStepOutput
-from rollout.engine.messages import AbortRequest, DecodeParams, ReqOutput, TokenizedRequest
+from rollout.engine.messages import AbortRequest, ReqOutput, TokenizedRequest, failure_reason
 from rollout.engine.model_runner import ModelRunner
 from rollout.engine.req import Req, ScheduleBatch
+from rollout.engine.sampling_params import SamplingParams
 from rollout.engine.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -73,9 +79,16 @@ class Scheduler:
 
     # ---- inputs ---------------------------------------------------------------------------
     def add_request(self, treq: TokenizedRequest) -> None:
-        budget = self.runner.context_length - len(treq.input_ids)
-        max_new = 0 if treq.embed else min(treq.params.max_new_tokens, max(budget, 0))
-        req = Req(req=treq, max_new_tokens=max_new)
+        try:
+            budget = self.runner.context_length - len(treq.input_ids)
+            max_new = 0 if treq.embed else min(treq.params.max_new_tokens, max(budget, 0))
+            req = Req(req=treq, max_new_tokens=max_new)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            logger.exception("request %s could not be queued", treq.rid)
+            # Reported under its rid, with nothing of the request that failed to be read.
+            req = Req(req=TokenizedRequest(treq.rid, [], SamplingParams(), 0), max_new_tokens=0)
+            self._finish(req, failure_reason("queuing the request", e))
+            return
         self.waiting.append(req)
 
     def abort(self, msg: AbortRequest) -> None:
@@ -83,6 +96,10 @@ class Scheduler:
         for req in self._live():
             if msg.abort_all or req.rid == msg.rid:
                 self._finish(req, {"type": "abort", "message": "aborted by request"})
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        """Takes finished requests out of the queue, the running list and the chunked slot."""
         self.waiting = deque(r for r in self.waiting if not r.finished)
         self.running = [r for r in self.running if not r.finished]
         if self.chunked is not None and self.chunked.finished:
@@ -114,10 +131,18 @@ class Scheduler:
             self.drain()
         batch = None if self.holds else (self._plan_prefill() or self._plan_decode())
         previous, self.in_flight = self.in_flight, None  # planning may have drained it
+        failed = None
         if batch is not None:
-            self.in_flight = self._launch(batch)
+            try:
+                launched = self.runner.launch(batch)
+            except Exception as e:  # noqa: BLE001 - this batch's requests fail, not the engine
+                failed = e
+            else:
+                self.in_flight = self._launched(batch, launched)
         if previous is not None:
             self._apply(previous)
+        if failed is not None:
+            self._fail_launch(batch, failed)  # after `previous`: its tokens are the requests' own
         if not self.overlap:
             self.drain()
         return self.take_reports()
@@ -266,10 +291,9 @@ class Scheduler:
         self.weight_version = version
 
     # ---- launching and results --------------------------------------------------------------
-    def _launch(self, batch: ScheduleBatch) -> LaunchedStep:
-        """Queues the batch on the device and advances what planning the next batch reads: KV
-        lengths, the prefix cache, the chunked and running requests."""
-        step = self.runner.launch(batch)
+    def _launched(self, batch: ScheduleBatch, step: LaunchedStep) -> LaunchedStep:
+        """After the batch is queued on the device: advances what planning the next batch reads
+        (KV lengths, the prefix cache, the chunked and running requests)."""
         if batch.mode is ForwardMode.DECODE:
             for req in batch.reqs:
                 req.kv_len += 1
@@ -290,23 +314,69 @@ class Scheduler:
         """Records a launched batch's results: prompt logprobs, tokens, stops and finishes."""
         batch = step.batch
         outs = self.runner.resolve(step)
-        stopped = False
+        finished = False
         for req, out, samples in zip(batch.reqs, outs, batch.sampling):
             if req.finished:  # finished by an earlier batch, or aborted: its token is dropped
                 continue
-            if out.input_token_logprobs:
-                self._record_prompt_logprobs(req, out)
-            if not samples:
+            try:
+                finished |= self._apply_one(req, out, samples)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                logger.exception("request %s failed recording its step's results", req.rid)
+                self._finish(req, failure_reason("recording its results", e))
+                finished = True
+        # NOTE: running requests are all unfinished between steps: only a finish here changes that.
+        if finished:
+            self._drop_finished()
+
+    def _apply_one(self, req: Req, out: ReqStepOutput, samples: bool) -> bool:
+        """Records one request's results of a step; returns whether it finished."""
+        if out.input_token_logprobs:
+            self._record_prompt_logprobs(req, out)
+        if not samples:
+            return False
+        if out.embedding is not None:
+            req.add_pending("embedding", out.embedding)
+        if req.max_new_tokens == 0:  # prefill only: prompt logprobs, no sampling
+            self._finish(req, {"type": "length", "length": 0})
+            return True
+        return self._record_token(req, out)
+
+    def _fail_launch(self, batch: ScheduleBatch, exc: Exception) -> None:
+        """The batch failed to launch, with nothing in flight now. Unless the device itself no
+        longer works (that raises), each request is launched alone and applied at once: only
+        those that fail alone finish with an error."""
+        self.runner.check_device()
+        if len(batch.reqs) == 1:
+            self._fail_alone(batch, exc)
+            return
+        logger.warning(
+            "a %s step of %d requests failed to launch; launching them one at a time",
+            batch.mode.name.lower(), len(batch.reqs), exc_info=exc,
+        )  # fmt: skip
+        for one in batch.split():
+            if one.reqs[0].finished:
+                self._fail_alone(one, exc)
                 continue
-            if out.embedding is not None:
-                req.add_pending("embedding", out.embedding)
-            if req.max_new_tokens == 0:  # prefill only: prompt logprobs, no sampling
-                self._finish(req, {"type": "length", "length": 0})
-                continue
-            stopped |= self._record_token(req, out)
-        # NOTE: running requests are all unfinished between steps: only a stop here changes that.
-        if stopped:
-            self.running = [r for r in self.running if not r.finished]
+            try:
+                launched = self.runner.launch(one)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                self.runner.check_device()
+                self._fail_alone(one, e)
+            else:
+                self._apply(self._launched(one, launched))
+
+    def _fail_alone(self, one: ScheduleBatch, exc: Exception) -> None:
+        """A one-request step failed to launch: the slots planned for it are freed (its kv_len
+        does not count them) and the request finishes with an error, unless the batch applied
+        just before finished it."""
+        self.kv.free_unused(one.out_cache_loc)
+        req = one.reqs[0]
+        if req.finished:
+            return
+        during = f"its {one.mode.name.lower()} step"
+        logger.error("request %s failed: %s failed to launch", req.rid, during, exc_info=exc)
+        self._finish(req, failure_reason(during, exc))
+        self._drop_finished()
 
     def _record_prompt_logprobs(self, req: Req, out: ReqStepOutput) -> None:
         req.pending.setdefault("input_token_logprobs", []).extend(out.input_token_logprobs)
@@ -337,48 +407,18 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finish_reason = reason
-        if req.output_ids:
-            # NOTE: a running request's KV covers all but its newest token. A decode launched
-            # before this finish was known computes that token's KV too: freed, not cached, so
-            # the cache holds what it would without overlap.
-            self.kv.truncate(req, len(req.prompt_ids) + len(req.output_ids) - 1)
+        # NOTE: a running request's KV covers all but its newest token. A decode launched
+        # before this finish was known computes that token's KV too: freed, not cached, so the
+        # cache holds what it would without overlap. (A request failing before its sampled token
+        # reached the host has KV beyond its known tokens: that goes the same way.)
+        if req.row is not None:
+            self.kv.truncate(req, max(req.prefix_len, len(req.ids) - 1))
         self.kv.release(req)
         self.to_report.append(req)
 
     def make_output(self, req: Req) -> ReqOutput:
         """The request's news since its last output; clears what it reports."""
-        new_ids = req.output_ids[req.sent_ids :]
-        req.sent_ids = len(req.output_ids)
-        p, req.pending = req.pending, {}
-        decode_params = None
-        if not req.reported:
-            req.reported = True
-            params = req.req.params
-            decode_params = DecodeParams(
-                tuple(params.stop or ()),
-                params.skip_special_tokens,
-                params.spaces_between_special_tokens,
-                params.no_stop_trim,
-            )
-        return ReqOutput(
-            rid=req.rid,
-            new_ids=new_ids,
-            finish_reason=req.finish_reason,
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            weight_version=self.weight_version,
-            output_token_logprobs=p.get("output_token_logprobs"),
-            output_top_logprobs=p.get("output_top_logprobs"),
-            output_token_ids_logprobs=p.get("output_token_ids_logprobs"),
-            input_token_logprobs=p.get("input_token_logprobs"),
-            input_top_logprobs=p.get("input_top_logprobs"),
-            input_token_ids_logprobs=p.get("input_token_ids_logprobs"),
-            hidden_states=p.get("hidden_states"),
-            embedding=p["embedding"][-1] if p.get("embedding") else None,
-            weight_version_changes=p.get("weight_version_changes"),
-            decode_params=decode_params,
-        )
+        return req.take_output(self.weight_version)
 
     def server_info(self) -> dict:
         return {

@@ -1,7 +1,8 @@
 """The scheduler's process: receive requests and control calls, step, send outputs.
 
-Any exception ends the process after a SchedulerFailed message, so the caller raises it
-instead of waiting forever.
+An exception that one request explains fails that request alone (the Scheduler handles it);
+any other ends the process after a SchedulerFailed message, so the caller raises it instead
+of waiting forever.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from rollout.engine.messages import (
     TokenizedRequest,
 )
 from rollout.engine.processes import Addresses, watch_parent
+from rollout.weight_sync.deferred import Deferred
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
+DEFERRED_POLL_MS = 10  # while a deferred control call waits: how soon its reply goes out
 
 
 def load_eos_token_ids(model_path: str, hf_config: Any, tokenizer: Any) -> list[int]:
@@ -64,6 +67,7 @@ class SchedulerProcess:
         self.runner = ModelRunner(options, hf_config, context, eos)
         self.scheduler = Scheduler(options, self.runner, StopChecker(tokenizer, eos))
         self.weight_sync = WeightSyncController(self.runner, self.scheduler, options)
+        self.deferred: list[tuple[int, Deferred]] = []  # (call_id, its pending reply)
         self.info = {
             "model_path": mopts.model_path,
             "architecture": (hf_config.architectures or ["?"])[0],
@@ -89,7 +93,7 @@ class SchedulerProcess:
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
         return None
 
-    def control(self, msg: ControlRequest) -> ControlReply:
+    def control(self, msg: ControlRequest) -> ControlReply | None:
         s = self.scheduler
         if msg.method == "shutdown":
             return ControlReply(msg.call_id, "shutdown")
@@ -101,14 +105,19 @@ class SchedulerProcess:
         if msg.method not in methods:
             return ControlReply(msg.call_id, error=f"unknown control method {msg.method!r}")
         try:
-            return ControlReply(msg.call_id, methods[msg.method](**msg.kwargs))
+            result = methods[msg.method](**msg.kwargs)
         except (ValueError, TypeError, KeyError, RuntimeError) as e:
             return ControlReply(msg.call_id, error=f"{type(e).__name__}: {e}")
+        if isinstance(result, Deferred):
+            self.deferred.append((msg.call_id, result))  # replied to by the loop, once done
+            return None
+        return ControlReply(msg.call_id, result)
 
     def loop(self, recv: zmq.Socket, send: zmq.Socket) -> None:
         while True:
             if not self.scheduler.can_step():
-                recv.poll(IDLE_POLL_MS)
+                recv.poll(DEFERRED_POLL_MS if self.deferred else IDLE_POLL_MS)
+            self._finish_deferred(send)
             replies: list[ControlReply] = []
             while recv.poll(0):
                 msg = recv.recv_pyobj()
@@ -128,6 +137,24 @@ class SchedulerProcess:
             if shutdown:
                 send.send_pyobj(shutdown[0])
                 return
+
+    def _finish_deferred(self, send: zmq.Socket) -> None:
+        """Replies to the deferred calls whose wait has ended, in the order the calls came. Each
+        finishes here, on the loop's thread, with no batch in flight (it may change weights),
+        and its reply leaves at once: the next may wait on a peer that waits for this reply."""
+        waiting = []
+        for call_id, deferred in self.deferred:
+            if not deferred.done():
+                waiting.append((call_id, deferred))
+                continue
+            self.scheduler.drain()
+            self._send_outputs(send, self.scheduler.take_reports())
+            result = deferred.finish()
+            if isinstance(result, Deferred):
+                waiting.append((call_id, result))
+            else:
+                send.send_pyobj(ControlReply(call_id, result))
+        self.deferred = waiting
 
     def _send_outputs(self, send: zmq.Socket, done: list) -> None:
         if done:

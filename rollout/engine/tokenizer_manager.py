@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,15 +25,25 @@ from rollout.engine.messages import (
     SchedulerFailed,
     SchedulerReady,
     TokenizedRequest,
+    public_error,
 )
 from rollout.engine.output_builder import Accumulated, accumulate, build_output
 from rollout.engine.request_validation import GenerateInput, validate_for_model
+
+logger = logging.getLogger(__name__)
 
 WATCHDOG_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
-    """The scheduler or detokenizer process failed; the engine can't serve any more."""
+    """The scheduler or detokenizer process failed; the engine can't serve any more. The message
+    is short (no traceback, no file paths): why it died is in this process's log."""
+
+
+class RequestFailedError(RuntimeError):
+    """Serving this one request failed inside the engine (the message says in what step and
+    with which error, without traceback or paths); the engine serves on. The scheduler's log
+    has the trace."""
 
 
 @dataclass
@@ -71,7 +82,7 @@ class TokenizerManager:
                 if isinstance(msg, SchedulerFailed):
                     raise EngineDeadError(f"the engine failed to start:\n{msg.error}")
             elif not self.is_alive():
-                raise EngineDeadError("the engine's subprocess exited during startup")
+                raise EngineDeadError("the engine's subprocess exited during startup (killed?)")
 
     # ---- requests -------------------------------------------------------------------------
     def next_seed(self) -> int:
@@ -109,6 +120,11 @@ class TokenizerManager:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                reason = item.finish_reason
+                if reason is not None and reason.get("type") == "error":
+                    # Not `finished`: the abort sent below frees it where it still runs (a
+                    # failure in the detokenizer leaves it running in the scheduler).
+                    raise RequestFailedError(f"request {rid} failed: {reason.get('message')}")
                 accumulate(acc, item)
                 finished = item.finish_reason is not None
                 if finished or inp.stream:
@@ -141,7 +157,10 @@ class TokenizerManager:
         while self.dead is None:
             if not await self.recv.poll(int(WATCHDOG_S * 1000)):
                 if not self.is_alive():
-                    self._fail("an engine subprocess exited unexpectedly")
+                    self._fail(
+                        "an engine subprocess exited unexpectedly",
+                        "it sent no report: killed (out of memory?) or crashed in native code",
+                    )
                 continue
             msg = await self.recv.recv_pyobj()
             if isinstance(msg, ReqOutputBatch):
@@ -154,14 +173,17 @@ class TokenizerManager:
                 if msg.result == "shutdown":
                     return
             elif isinstance(msg, SchedulerFailed):
-                self._fail(f"the scheduler failed:\n{msg.error}")
+                self._fail(f"the scheduler failed: {public_error(msg.error)}", msg.error)
 
     def _deliver(self, out: ReqOutput) -> None:
         state = self.states.get(out.rid)
         if state is not None:  # else: the consumer already left
             state.queue.put_nowait(out)
 
-    def _fail(self, error: str) -> None:
+    def _fail(self, error: str, detail: str) -> None:
+        """The engine is dead: `error` (short) goes to every caller from now on, `detail` (the
+        scheduler's traceback) to the log."""
+        logger.error("the engine stopped serving: %s\n%s", error, detail)
         self.dead = error
         for state in self.states.values():
             state.queue.put_nowait(EngineDeadError(error))

@@ -1,36 +1,28 @@
 """The FastAPI app: SGLang-native and OpenAI-compatible routes over one RolloutEngine.
 
 Every error is a JSON body `{"error": {"message", "type", "code"}}` with a 4xx status for bad
-input, 503 when the engine is gone; a bug shows as 500 but never takes the server down.
+input, 503 when the engine is gone; a bug shows as 500 but never takes the server down. No
+answer carries a traceback or a file path: a 500 names an error id, logged with the trace.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from rollout.engine.tokenizer_manager import EngineDeadError
-from rollout.server.guard import BodyTooLarge, Guard
-from rollout.server.metrics import ServerMetrics
+from rollout.server.guard import Guard
+from rollout.server.json_body import describe_validation_errors
+from rollout.server.metrics import DISCONNECT_STATUS, CountErrors, ServerMetrics
 from rollout.server.options import ServerOptions
-from rollout.server.responses import JSON, error
-
-logger = logging.getLogger(__name__)
-
-
-def _describe(exc: RequestValidationError) -> str:
-    parts = []
-    for e in exc.errors()[:5]:
-        if e.get("type") == "json_invalid":
-            return "the request body is not valid JSON"
-        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
-        parts.append(f"{where}: {e.get('msg', 'invalid')}")
-    return "invalid request: " + "; ".join(parts)
+from rollout.server.request_owners import RequestOwners
+from rollout.server.responses import JSON, RequestFailedError, error, failure
+from rollout.server.streaming import ClientDisconnected
 
 
 def create_app(engine: Any, options: ServerOptions) -> FastAPI:
@@ -44,25 +36,23 @@ def create_app(engine: Any, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="rollout", version="0.1.0", default_response_class=JSON)
     app.state.engine = engine
     app.state.options = options
-    app.state.metrics = ServerMetrics()
     app.state.started = int(time.time())
     app.state.model_name = options.served_model_name or engine.options.model.model_path
+    app.state.owners = RequestOwners()
+    app.state.stopping = False  # set by the server process on shutdown: see Guard
     app.include_router(native_router)
     app.include_router(openai_router)
     app.include_router(weights_router)
     app.include_router(embeddings_router)
+    app.state.metrics = ServerMetrics(routes=app.openapi()["paths"])
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSON:
-        return error(400, _describe(exc))
+        return error(400, describe_validation_errors(list(exc.errors())))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSON:
         return error(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(BodyTooLarge)
-    async def _too_large(request: Request, exc: BodyTooLarge) -> JSON:
-        return error(413, str(exc))
 
     @app.exception_handler(ValueError)
     @app.exception_handler(TypeError)
@@ -73,14 +63,16 @@ def create_app(engine: Any, options: ServerOptions) -> FastAPI:
     async def _sync_failed(request: Request, exc: WeightSyncError) -> JSON:
         return weight_sync_error(str(exc))
 
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=DISCONNECT_STATUS)  # nobody reads it; /metrics counts it
+
     @app.exception_handler(EngineDeadError)
-    async def _dead(request: Request, exc: EngineDeadError) -> JSON:
-        return error(503, f"the engine is not serving: {exc}", "server_error")
-
+    @app.exception_handler(RequestFailedError)
     @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception) -> JSON:
-        logger.exception("unhandled error in %s", request.url.path)
-        return error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    async def _failed(request: Request, exc: Exception) -> JSON:
+        return failure(exc, request.url.path)
 
-    app.add_middleware(Guard, options=options)
+    app.add_middleware(Guard, options=options, state=app.state)
+    app.add_middleware(CountErrors, metrics=app.state.metrics)  # outermost: sees Guard's answers
     return app

@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import base64
 import struct
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from rollout.server.responses import JSON, error
+from rollout.server.json_body import OffLoopRoute
+from rollout.server.native import TokenIds
+from rollout.server.responses import JSON, error, json_response
 from rollout.server.streaming import until_disconnect
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
 
 Prompt = str | list[str] | None
-Ids = list[int] | list[list[int]] | None
+Ids = TokenIds  # checked by the engine, off the event loop (see native.py)
 
 
 class EncodeRequest(BaseModel):
@@ -78,16 +81,23 @@ def _check_model(request: Request, model: str) -> JSON | None:
     return None
 
 
+async def _owned(request: Request, rid: str | list[str] | None, work: Awaitable[Any]) -> Any:
+    """Awaits work (until the client disconnects), its rids owned by the caller's key while it
+    runs, so that this key can abort them (see /abort_request)."""
+    with request.app.state.owners.claim(rid, request.state.role):
+        return await until_disconnect(request, work)
+
+
 @router.post("/encode")
 async def encode(body: EncodeRequest, request: Request) -> Any:
     work = _engine(request).async_encode(body.text, body.input_ids, body.normalize, body.rid)
-    return await until_disconnect(request, work)
+    return await json_response(await _owned(request, body.rid, work))
 
 
 @router.post("/classify")
 async def classify(body: ClassifyRequest, request: Request) -> Any:
     work = _engine(request).async_classify(body.text, body.input_ids, body.messages, body.rid)
-    return await until_disconnect(request, work)
+    return await json_response(await _owned(request, body.rid, work))
 
 
 @router.post("/v1/embeddings")
@@ -102,7 +112,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Any:
     outs = await until_disconnect(request, _engine(request).async_encode(**kwargs))
     outs = outs if isinstance(outs, list) else [outs]
     tokens = sum(o["meta_info"]["prompt_tokens"] for o in outs)
-    return {
+    return await json_response({
         "object": "list",
         "data": [
             {"object": "embedding", "index": i, "embedding": _encoded(o["embedding"], body.encoding_format)}
@@ -110,7 +120,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Any:
         ],
         "model": request.app.state.model_name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
+    })  # fmt: skip
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -128,7 +138,9 @@ async def score(body: ScoreRequest, request: Request) -> Any:
         body.query, body.items, body.label_token_ids, body.apply_softmax, body.item_first
     )
     scores = await until_disconnect(request, work)
-    return {"object": "scoring", "model": request.app.state.model_name, "scores": scores}
+    return await json_response(
+        {"object": "scoring", "model": request.app.state.model_name, "scores": scores}
+    )
 
 
 @router.post("/v1/rerank")
@@ -155,9 +167,17 @@ async def rerank(body: RerankRequest, request: Request) -> Any:
 
 async def relevance(engine: Any, query: str, documents: list[str]) -> list[float]:
     if engine.is_classifier:
-        pairs = [engine.tokenizer(query, doc)["input_ids"] for doc in documents]
+        pairs = await engine.run_in_worker(_pair_ids, engine, query, documents)
         outs = await engine.async_classify(input_ids=pairs)
         return [o["embedding"][0] for o in outs]
     outs = await engine.async_encode([query, *documents], normalize=True)
     q = outs[0]["embedding"]
     return [sum(a * b for a, b in zip(q, o["embedding"])) for o in outs[1:]]
+
+
+def _pair_ids(engine: Any, query: str, documents: list[str]) -> list[list[int]]:
+    """The cross-encoder's input ids of each (query, document) pair. A tokenizer call: on the
+    engine's worker threads, each pair first checked to fit the context (as a prompt is)."""
+    for i, doc in enumerate(documents):
+        engine.limits.check_text([query, doc], f"the query with document {i}")
+    return [engine.tokenizer(query, doc)["input_ids"] for doc in documents]

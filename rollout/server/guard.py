@@ -1,4 +1,5 @@
-"""ASGI middleware in front of every route: API keys and the request-body size limit.
+"""ASGI middleware in front of every route: API keys, the request-body size limit, and refusing
+new requests once the server is shutting down.
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed responses and client disconnects pass through
 untouched: a disconnect must reach the streaming route, which aborts its request.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import hmac
 import json
 from typing import Any
+
+from starlette.exceptions import HTTPException
 
 from rollout.server.options import ServerOptions
 
@@ -31,9 +34,15 @@ ADMIN_PATHS = frozenset(
 )
 
 
-class BodyTooLarge(Exception):
+class BodyTooLarge(HTTPException):
+    """413. An HTTPException: FastAPI passes those through when reading a body fails (any other
+    error while reading becomes its generic 400), so a chunked body over the limit is a 413 too."""
+
     def __init__(self, limit: int) -> None:
-        super().__init__(f"request body is larger than the limit of {limit} bytes")
+        super().__init__(413, f"request body is larger than the limit of {limit} bytes")
+
+    def __str__(self) -> str:
+        return str(self.detail)
 
 
 def _same(a: str | None, b: str | None) -> bool:
@@ -81,13 +90,20 @@ async def send_error(send: Any, status: int, message: str, kind: str) -> None:
 
 
 class Guard:
-    def __init__(self, app: Any, options: ServerOptions) -> None:
+    """`state.stopping` (the app's state) set: every new request gets 503 (the server is
+    draining: requests in flight are being aborted and it exits once they have answered)."""
+
+    def __init__(self, app: Any, options: ServerOptions, state: Any) -> None:
         self.app = app
         self.options = options
+        self.state = state
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if getattr(self.state, "stopping", False):
+            await send_error(send, 503, "the server is shutting down", "server_error")
             return
         path = scope["path"].rstrip("/") or "/"
         token = _bearer(scope)
@@ -96,7 +112,8 @@ class Guard:
         if path not in OPEN_PATHS and (
             (role is None) or (path in ADMIN_PATHS and role != "admin" and not known)
         ):
-            await send_error(send, 401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error")
+            message = "missing or wrong API key (Authorization: Bearer KEY)"
+            await send_error(send, 401, message, "auth_error")
             return
         if path in ADMIN_PATHS and role != "admin":
             await send_error(send, 403, f"{path} needs the admin API key", "permission_error")
@@ -112,7 +129,8 @@ class Guard:
 
 
 def _default_to_json(scope: dict) -> None:
-    """Bodies sent without a JSON content type (`curl -d '{...}'`) are read as JSON, as SGLang does."""
+    """Bodies sent without a JSON content type (`curl -d '{...}'`) are read as JSON, as SGLang
+    does."""
     headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
     kind = dict(scope.get("headers", ())).get(b"content-type", b"")
     if kind.split(b";")[0].strip() in (b"", b"application/x-www-form-urlencoded", b"text/plain"):

@@ -1,24 +1,28 @@
-"""`rollout serve`: the CLI (generated from the option dataclasses) and the server's lifecycle.
+"""`rollout serve`: the CLI (generated from the option dataclasses), starting and stopping.
 
 On SIGTERM or SIGINT every in-flight request is aborted first (its client gets finish_reason
-abort), then uvicorn closes the connections and the port, then the engine's subprocesses stop.
+abort), then uvicorn closes the connections and the port, then the engine's subprocesses stop;
+the exit status is 0. If the engine dies the server stops too, with exit status 1 (see
+lifecycle.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
-import threading
 from typing import Any
 
 import uvicorn
 
 from rollout.config import option_fields
+from rollout.server.lifecycle import (
+    EXIT_ENGINE_DIED,
+    EngineServer,
+    ShutdownSignals,
+    StartInterrupted,
+)
 from rollout.server.options import ServerOptions
-
-logger = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 5
 
@@ -33,7 +37,8 @@ def add_option_arguments(parser: argparse.ArgumentParser, fields: list[dataclass
         if kind == "bool":
             parser.add_argument(flag, action="store_true", default=default, help=help_text)
         elif kind.startswith("tuple"):
-            parser.add_argument(flag, action="append", default=None, help=f"{help_text} (default: none)")
+            help_text = f"{help_text} (default: none)"
+            parser.add_argument(flag, action="append", default=None, help=help_text)
         else:
             convert = int if kind.startswith("int") else float if kind.startswith("float") else str
             required = f.name == "model_path"
@@ -64,7 +69,16 @@ def split_args(args: argparse.Namespace) -> tuple[ServerOptions, dict[str, Any]]
     return ServerOptions(**server), engine
 
 
-def serve(options: ServerOptions, engine_options: dict[str, Any]) -> None:
+def serve(options: ServerOptions, engine_options: dict[str, Any]) -> int:
+    """Runs the server until a shutdown signal (returns 0) or the engine's death (returns 1)."""
+    with ShutdownSignals() as signals:
+        try:
+            return _serve(options, engine_options, signals)
+        except StartInterrupted:
+            return 0  # what had started was shut down on the way out
+
+
+def _serve(options: ServerOptions, engine_options: dict[str, Any], signals: ShutdownSignals) -> int:
     from rollout.engine.engine import RolloutEngine
     from rollout.server.app import create_app
 
@@ -78,38 +92,21 @@ def serve(options: ServerOptions, engine_options: dict[str, Any]) -> None:
             log_level=options.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        server = _Server(config, engine)
-        print(f"rollout: serving {engine.options.model.model_path} on http://{options.host}:{options.port}",
-              file=sys.stderr, flush=True)
+        server = signals.server = EngineServer(config, engine, app.state)
+        url = f"http://{options.host}:{options.port}"
+        model = engine.options.model.model_path
+        print(f"rollout: serving {model} on {url}", file=sys.stderr, flush=True)
         server.run()
     finally:
         engine.shutdown()
+    return EXIT_ENGINE_DIED if server.engine_died else 0
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, aborting the engine's requests as soon as a shutdown signal arrives."""
-
-    def __init__(self, config: uvicorn.Config, engine: Any) -> None:
-        super().__init__(config)
-        self.engine = engine
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.should_exit:
-            threading.Thread(target=_abort_all, args=(self.engine,), daemon=True).start()
-        super().handle_exit(sig, frame)
-
-
-def _abort_all(engine: Any) -> None:
-    try:
-        engine.abort_request(abort_all=True)
-    except Exception:  # noqa: BLE001 - shutting down regardless
-        logger.exception("aborting requests at shutdown failed")
-
-
-def main(argv: list[str] | None = None, prog: str = "rollout serve") -> None:
+def main(argv: list[str] | None = None, prog: str = "rollout serve") -> int:
+    """Returns the exit status (see serve)."""
     args = build_parser(prog).parse_args(argv)
     try:
         options, engine_options = split_args(args)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"{prog}: error: {e}") from e
-    serve(options, engine_options)
+    return serve(options, engine_options)

@@ -9,12 +9,25 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SkipValidation
 
-from rollout.server.responses import JSON, error
-from rollout.server.streaming import error_event, first_item, sse, sse_response, until_disconnect
+from rollout.server.json_body import OffLoopRoute
+from rollout.server.openai_format import TokenText
+from rollout.server.responses import JSON, error, is_large, json_response
+from rollout.server.streaming import (
+    error_event,
+    first_item,
+    sse,
+    sse_event,
+    sse_response,
+    until_disconnect,
+)
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
+
+# Token ids are checked by the engine, on its worker threads. pydantic would check them in one
+# C call holding the GIL (~15 ns a token: 150 ms for 10 M), so the event loop would wait on it.
+TokenIds = SkipValidation[list[int] | list[list[int]] | None]
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
@@ -23,7 +36,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: TokenIds = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
     logprob_start_len: int | None = None
@@ -46,7 +59,11 @@ def _engine(request: Request) -> Any:
     return request.app.state.engine
 
 
-def add_token_text(out: dict, tokenizer: Any) -> None:
+# The fields of GenerateRequest that are not engine.async_generate's arguments.
+_SERVER_FIELDS = frozenset({"text", "return_text_in_logprobs", "stream"})
+
+
+def add_token_text(out: dict, text_of: TokenText) -> None:
     """(logprob, id, None) -> (logprob, id, text) in every logprob list of one output."""
     meta = out["meta_info"]
 
@@ -55,7 +72,7 @@ def add_token_text(out: dict, tokenizer: Any) -> None:
             return None
         if isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], (list, tuple)):
             return [fill(e) for e in entry]
-        return (entry[0], entry[1], tokenizer.decode([entry[1]]))
+        return (entry[0], entry[1], text_of(entry[1]))
 
     for key, value in meta.items():
         if key.endswith("_logprobs") and isinstance(value, list):
@@ -65,40 +82,46 @@ def add_token_text(out: dict, tokenizer: Any) -> None:
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Any:
     engine, metrics = _engine(request), request.app.state.metrics
-    kwargs = body.model_dump(exclude={"text", "return_text_in_logprobs", "stream"})
+    owners, role = request.app.state.owners, request.state.role
+    # The fields as they are: model_dump would copy a long input_ids on the event loop.
+    kwargs = {k: getattr(body, k) for k in GenerateRequest.model_fields if k not in _SERVER_FIELDS}
     kwargs["prompt"] = body.text
     start = time.monotonic()
+    text_of = TokenText(engine.tokenizer)  # one cache for all the outputs of this request
 
-    def finish(out: dict) -> dict:
+    def finish(out: Any) -> Any:
         if body.return_text_in_logprobs:
-            add_token_text(out, engine.tokenizer)
+            for one in out if isinstance(out, list) else [out]:
+                add_token_text(one, text_of)
         return out
 
     if not body.stream:
-        result = await until_disconnect(request, engine.async_generate(**kwargs))
+        with owners.claim(body.rid, role):
+            result = await until_disconnect(request, engine.async_generate(**kwargs))
         outs = result if isinstance(result, list) else [result]
-        for out in outs:
-            finish(out)
         metrics.observe("generate", outs, time.monotonic() - start)
-        return result
+        if is_large(result):  # decoding a million logprob entries' texts is seconds of work
+            return await json_response(await asyncio.to_thread(finish, result))
+        return await json_response(finish(result))
 
-    first, rest = await first_item(await engine.async_generate(**kwargs, stream=True))
+    stream = owners.stream(engine.async_generate(**kwargs, stream=True), body.rid, role)
+    first, rest = await first_item(stream)
     metrics.ttft.observe(time.monotonic() - start)
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[str | bytes]:
         last = first
         try:
-            yield sse(finish(first))
+            yield await sse_event(first, finish)
             async for out in rest:
                 last = out
-                yield sse(finish(out))
-        except (ValueError, RuntimeError) as e:
-            yield error_event(e)
+                yield await sse_event(out, finish)
+        except Exception as e:  # noqa: BLE001 - the 200 is sent: the error goes in the stream
+            yield error_event(e, request)
         else:
             metrics.observe("generate", [last], time.monotonic() - start)
         yield sse("[DONE]")
 
-    return sse_response(events())
+    return sse_response(events(), request)
 
 
 @router.get("/health")
@@ -168,11 +191,16 @@ def flush_cache(request: Request) -> JSON:
 
 @router.post("/abort_request")
 def abort_request(body: AbortRequestBody, request: Request) -> JSON:
-    if body.abort_all and request.state.role != "admin":
+    """Aborts one request by rid, or all (admin only). A user key may abort only requests sent
+    with the user key; someone else's rid answers as an unknown rid does, so the answer doesn't
+    tell whether it exists."""
+    role = request.state.role
+    if body.abort_all and role != "admin":
         return error(403, "abort_all needs the admin API key", "permission_error")
     if not body.abort_all and body.rid is None:
         return error(400, "give rid, or abort_all: true")
-    _engine(request).abort_request(rid=body.rid, abort_all=body.abort_all)
+    if body.abort_all or request.app.state.owners.may_abort(body.rid, role):
+        _engine(request).abort_request(rid=body.rid, abort_all=body.abort_all)
     return JSON({"success": True})
 
 

@@ -10,6 +10,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from rollout.engine.chat_template import chat_ids
+from rollout.engine.request_validation import encode_prompt
+from rollout.server.json_body import OffLoopRoute
 from rollout.server.openai_format import (
     TokenText,
     chat_logprobs,
@@ -19,7 +22,7 @@ from rollout.server.openai_format import (
     usage,
 )
 from rollout.server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from rollout.server.responses import JSON, error
+from rollout.server.responses import JSON, error, is_large, json_response
 from rollout.server.streaming import (
     error_event,
     gather_streams,
@@ -28,7 +31,7 @@ from rollout.server.streaming import (
     until_disconnect,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
 
@@ -56,30 +59,37 @@ def get_model(model_id: str, request: Request) -> Any:
     return _model_card(model_id, request.app.state.started)
 
 
-def _prompts(body: CompletionRequest, tokenizer: Any) -> list[list[int]]:
+# The two below tokenize and render templates: they run on the engine's worker threads
+# (engine.run_in_worker), never on the server's event loop.
+def _prompts(body: CompletionRequest, engine: Any) -> tuple[list[list[int]], list[str]]:
+    """The prompts' ids, and the text each echoes (empty without echo)."""
     p = body.prompt
     if isinstance(p, str):
         p = [p]
     if not p:
         raise ValueError("prompt is empty")
     if all(isinstance(x, int) for x in p):
-        return [list(p)]  # type: ignore[arg-type]
-    return [tokenizer.encode(x) if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
+        prompts = [list(p)]  # type: ignore[arg-type]
+    else:
+        tok, limits = engine.tokenizer, engine.limits
+        prompts = [
+            encode_prompt(tok, limits, x, f"prompt {i}") if isinstance(x, str) else list(x)
+            for i, x in enumerate(p)  # type: ignore[union-attr]
+        ]
+    echo = [engine.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
+    return prompts, echo
 
 
-def _chat_prompt(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+def _chat_prompt(body: ChatCompletionRequest, engine: Any) -> list[int]:
     messages = [m.as_template_input() for m in body.messages]
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=not body.continue_final_message,
-            continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
-        )
-    except Exception as e:  # noqa: BLE001 - a template error is the caller's input problem
-        raise ValueError(f"the chat template failed on these messages: {e}") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    return chat_ids(
+        engine.tokenizer,
+        engine.limits,
+        messages,
+        add_generation_prompt=not body.continue_final_message,
+        continue_final_message=body.continue_final_message,
+        template_kwargs=body.chat_template_kwargs,
+    )
 
 
 async def _run(
@@ -88,18 +98,21 @@ async def _run(
     """Non-streamed: one engine call for every prompt x n; `build(outputs)` makes the response."""
     engine = request.app.state.engine
     start = time.monotonic()
-    outputs = await until_disconnect(
-        request,
-        engine.async_generate(
-            input_ids=prompts,
-            sampling_params=body.sampling_params(max_new),
-            return_logprob=top is not None,
-            top_logprobs_num=top or 0,
-            rid=body.rid,
-        ),
-    )
+    with request.app.state.owners.claim(body.rid, request.state.role):  # see /abort_request
+        outputs = await until_disconnect(
+            request,
+            engine.async_generate(
+                input_ids=prompts,
+                sampling_params=body.sampling_params(max_new),
+                return_logprob=top is not None,
+                top_logprobs_num=top or 0,
+                rid=body.rid,
+            ),
+        )
     request.app.state.metrics.observe(endpoint, outputs, time.monotonic() - start)
-    return build(outputs)
+    if is_large(outputs):  # a million logprob entries take seconds of Python to build
+        return await json_response(await asyncio.to_thread(build, outputs))
+    return await json_response(build(outputs))
 
 
 async def _open_streams(request: Request, body: SamplingFields, prompts: list[list[int]], max_new: int, top: int | None) -> list[AsyncIterator[dict]]:
@@ -107,6 +120,11 @@ async def _open_streams(request: Request, body: SamplingFields, prompts: list[li
     each is started and its first output awaited, so bad input fails before the 200."""
     engine = request.app.state.engine
     params = body.sampling_params(max_new)
+    # As one request: n and the response's size are bounded over all the streams together.
+    await engine.run_in_worker(
+        engine.validate_generate, input_ids=prompts, sampling_params=params,
+        return_logprob=top is not None, top_logprobs_num=top or 0, rid=body.rid,
+    )  # fmt: skip
     streams = []
     for ids in prompts:
         for j in range(body.n):
@@ -152,7 +170,7 @@ def _stream(request: Request, endpoint: str, streams: list[AsyncIterator[dict]],
             async for event in gather_streams(streams, on_item):
                 yield event
         except (ValueError, RuntimeError) as e:
-            yield error_event(e)
+            yield error_event(e, request)
             yield sse("[DONE]")
             return
         outs = [s["last"] for s in states]
@@ -162,7 +180,7 @@ def _stream(request: Request, endpoint: str, streams: list[AsyncIterator[dict]],
         yield sse("[DONE]")
 
     metrics.ttft.observe(time.monotonic() - start)
-    return sse_response(events())
+    return sse_response(events(), request)
 
 
 @router.post("/v1/completions")
@@ -172,12 +190,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.echo and body.logprobs is not None:
         return error(400, "echo together with logprobs is not supported")
     engine = request.app.state.engine
-    prompts = _prompts(body, engine.tokenizer)
+    prompts, echo = await engine.run_in_worker(_prompts, body, engine)
     max_new = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     text_of = TokenText(engine.tokenizer)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
-    echo = [engine.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
 
     if not body.stream:
         def build(outputs: list[dict]) -> dict:
@@ -220,7 +237,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if (bad := _check_model(request, body.model)) is not None:
         return bad
     engine = request.app.state.engine
-    prompts = [_chat_prompt(body, engine.tokenizer)]
+    prompts = [await engine.run_in_worker(_chat_prompt, body, engine)]
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_new = limit if limit is not None else engine.info["context_length"]
     top = (body.top_logprobs or 0) if body.logprobs else None

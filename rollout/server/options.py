@@ -21,7 +21,9 @@ class ServerOptions:
     served_model_name: str | None = _opt(None, "model id in the OpenAI API; defaults to model_path")
     max_request_bytes: int = _opt(64 * 2**20, "largest request body accepted, in bytes")
     allowed_weight_roots: tuple[str, ...] = _opt(
-        (), "directories under which /update_weights_from_disk may load checkpoints (repeatable)"
+        (),
+        "directories under which /update_weights_from_disk may load checkpoints (repeatable); "
+        "every file it reads must resolve there, symlinks followed",
     )
     log_level: str = _opt("warning", "uvicorn log level: critical, error, warning, info, debug")
 

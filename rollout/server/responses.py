@@ -1,19 +1,74 @@
-"""The JSON response used by every route, and the error body shape."""
+"""The JSON response used by every route, the error body shape, and what of an exception a
+client may see."""
 
 from __future__ import annotations
 
-import json
+import asyncio
+import logging
+import uuid
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+
+from rollout.engine.messages import public_error
+from rollout.engine.tokenizer_manager import EngineDeadError, RequestFailedError
+from rollout.server.json_render import dumps, estimate_items, render_in_pieces
+
+logger = logging.getLogger(__name__)
+
+# Above this many JSON values (~10 ms of json.dumps) an answer is made off the event loop.
+LARGE_RESPONSE_ITEMS = 65_536
 
 
 class JSON(JSONResponse):
     """JSON that tolerates non-finite floats (a -inf logprob is a value, not a server error)."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode()
+        return dumps(content).encode()
+
+
+def is_large(content: Any) -> bool:
+    """Whether making `content` into JSON (or walking it) would hold the event loop too long."""
+    return estimate_items(content) > LARGE_RESPONSE_ITEMS
+
+
+async def json_response(content: Any, status_code: int = 200) -> Response:
+    """`content` as a JSON answer, the same as a route returning it gives, made without holding
+    the event loop: large content is rendered on a worker thread, in pieces (see json_render).
+    Routes that can answer with much (logprobs, embeddings) return this rather than a dict,
+    which FastAPI would walk (jsonable_encoder, ~3 s per 1 M logprob entries) on the loop."""
+    if not is_large(content):
+        return JSON(content, status_code=status_code)
+    body = await asyncio.to_thread(render_in_pieces, content)
+    return Response(body, status_code=status_code, media_type="application/json")
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSON:
     return JSON({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def describe_failure(exc: BaseException, where: str) -> tuple[int, str, str]:
+    """(status, message, type) for an exception raised while serving a request at `where`.
+
+    Bad input (ValueError, TypeError) is the caller's to fix: its message goes back as is. A
+    request the engine failed (RequestFailedError, 500) and a dead engine (EngineDeadError, 503)
+    get their short messages (the engine logged the details). Anything else is logged under a
+    fresh error id, with its trace, and the client gets only the id: tracebacks and file paths
+    stay in the log."""
+    if isinstance(exc, (ValueError, TypeError)):
+        return 400, str(exc), "invalid_request_error"
+    if isinstance(exc, RequestFailedError):
+        return 500, public_error(str(exc)), "server_error"
+    if isinstance(exc, EngineDeadError):
+        return 503, f"the engine is not serving: {public_error(str(exc))}", "server_error"
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("error %s in %s", error_id, where, exc_info=exc)
+    return (
+        500,
+        f"internal error (error id {error_id}; the server log has the details)",
+        "server_error",
+    )
+
+
+def failure(exc: BaseException, where: str) -> JSON:
+    return error(*describe_failure(exc, where))

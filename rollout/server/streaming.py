@@ -10,14 +10,34 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from rollout.server.json_render import render_in_pieces
+from rollout.server.responses import describe_failure, is_large
+
 T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready; its requests were aborted."""
+
+
 def sse(data: Any) -> str:
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, allow_nan=True)
     return f"data: {text}\n\n"
+
+
+async def sse_event(data: Any, prepare: Callable[[Any], Any] | None = None) -> str | bytes:
+    """sse(prepare(data)). For large data (SGLang's native stream repeats every logprob so far
+    in each event) both run on a worker thread, the JSON made in pieces (see json_render), so
+    that one event doesn't hold the event loop."""
+    if not is_large(data):
+        return sse(data if prepare is None else prepare(data))
+    return await asyncio.to_thread(_large_sse, data, prepare)
+
+
+def _large_sse(data: Any, prepare: Callable[[Any], Any] | None) -> bytes:
+    return b"data: " + render_in_pieces(data if prepare is None else prepare(data)) + b"\n\n"
 
 
 async def first_item(items: AsyncIterator[T]) -> tuple[T, AsyncIterator[T]]:
@@ -27,36 +47,63 @@ async def first_item(items: AsyncIterator[T]) -> tuple[T, AsyncIterator[T]]:
     return first, items
 
 
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+def sse_response(
+    events: AsyncIterator[str | bytes], request: Request | None = None
+) -> StreamingResponse:
     """Streams `events` (already `sse()`-encoded). When the client goes away Starlette cancels the
-    iteration; the engine's stream then aborts its request and frees its KV."""
+    iteration; the engine's stream then aborts its request and frees its KV. With `request`, a
+    stream left unfinished counts as a client disconnect in /metrics."""
+    if request is not None:
+        events = _count_disconnect(events, request)
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def error_event(exc: BaseException) -> str:
-    status = 400 if isinstance(exc, (ValueError, TypeError)) else 500
-    return sse({"error": {"message": str(exc), "type": type(exc).__name__, "code": status}})
+async def _count_disconnect(
+    events: AsyncIterator[str | bytes], request: Request
+) -> AsyncIterator[str | bytes]:
+    finished = False
+    try:
+        async for event in events:
+            yield event
+        finished = True
+    finally:
+        if not finished:
+            request.app.state.metrics.disconnected(request.scope["path"])
+
+
+def error_event(exc: BaseException, request: Request | None = None) -> str:
+    """The SSE event for a stream that failed after its 200 (no tracebacks or paths: see
+    describe_failure); with `request`, counted as an error in /metrics."""
+    path = request.scope["path"] if request is not None else "stream"
+    status, message, kind = describe_failure(exc, path)
+    if request is not None:
+        request.app.state.metrics.error(path, status, kind)
+    return sse({"error": {"message": message, "type": kind, "code": status}})
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Runs `work`; if the client disconnects first, cancels it (aborting its requests)."""
+    """Runs `work`; if the client disconnects first, cancels it (which aborts its requests) and
+    raises ClientDisconnected once the cancellation has run."""
     task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
+            # NOTE: a cancelled task is done only after it ran its cancellation (the abort);
+            # asking for its result before that is an InvalidStateError.
+            await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        raise asyncio.CancelledError("the client disconnected")
+        raise ClientDisconnected("the client disconnected before its answer was ready")
     return task.result()
 
 

@@ -2,7 +2,8 @@
 
 Tensor handoff over HTTP takes `tensor_handles`, the JSON form of rollout.weight_sync's
 TensorHandles (names, dtypes, shapes, CUDA IPC handles or shared-memory block names): nothing
-that arrives here is unpickled. Disk reloads only read under --allowed-weight-roots.
+that arrives here is unpickled. Disk reloads only read files that resolve under
+--allowed-weight-roots.
 """
 
 from __future__ import annotations
@@ -113,7 +114,14 @@ def update_weights_from_disk(body: DiskBody, request: Request) -> Any:
     if not any(os.path.commonpath([path, os.path.realpath(r)]) == os.path.realpath(r) for r in roots):
         allowed = ", ".join(roots) if roots else "none configured (start with --allowed-weight-roots DIR)"
         return error(403, f"model_path {body.model_path!r} is not under an allowed root: {allowed}", "permission_error")
-    return _engine(request).update_weights_from_disk(path, body.load_format, body.weight_version)
+    # The roots go with the call: the scheduler checks every file (config, index, each shard)
+    # where it opens it, so neither a symlink nor an index naming files elsewhere gets out.
+    try:
+        return _engine(request).update_weights_from_disk(
+            path, body.load_format, body.weight_version, allowed_roots=list(roots)
+        )
+    except PermissionError as e:
+        return error(403, str(e), "permission_error")
 
 
 @router.post("/get_weights_by_name")

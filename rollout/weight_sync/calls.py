@@ -4,8 +4,9 @@ Each function checks its arguments where the caller is (TypeError/ValueError bef
 sent) and returns a WeightCall: the scheduler method, its keyword arguments (plain data), and
 anything the caller must keep alive until the reply (the tensors a handoff points at). The
 scheduler answers {"success": bool, "message": str, ...}; `unwrap` turns a failure into
-ValueError (the update did not fit the model) or WeightSyncError (the transfer failed); either
-way the weights and version are as before unless the message says otherwise.
+ValueError (the update did not fit the model), PermissionError (a checkpoint file outside the
+allowed weight roots) or WeightSyncError (the transfer failed); either way the weights and
+version are as before unless the message says otherwise.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ def unwrap(result: dict[str, Any]) -> dict[str, Any]:
     """The result of a successful call; raises the failure of a failed one."""
     if result.get("success"):
         return result
-    kind = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": ValueError}.get(
-        result.get("error", ""), WeightSyncError
-    )
+    kinds = {
+        "ValueError": ValueError, "TypeError": TypeError, "KeyError": ValueError,
+        "PermissionError": PermissionError,  # a file outside the allowed weight roots
+    }  # fmt: skip
+    kind = kinds.get(result.get("error", ""), WeightSyncError)
     raise kind(result.get("message") or "the weight-sync call failed")
 
 
@@ -144,13 +147,29 @@ def _tensor_source(named_tensors: Any, load_format: str | None) -> Any:
 
 
 def update_weights_from_disk(
-    model_path: str, load_format: str | None = None, weight_version: str | None = None
-) -> WeightCall:
+    model_path: str, load_format: str | None = None, weight_version: str | None = None,
+    allowed_roots: Sequence[str] | None = None,
+) -> WeightCall:  # fmt: skip
+    """allowed_roots: None reads anywhere; otherwise every file the scheduler opens (config,
+    index, shards; symlinks followed) must resolve under one of these directories."""
     if not isinstance(model_path, str) or not model_path:
         raise ValueError(f"model_path must be a checkpoint directory, got {model_path!r}")
     disk_source.check_load_format(load_format)
-    kwargs = {"model_path": model_path, "load_format": load_format, "weight_version": check_version(weight_version)}
+    kwargs = {
+        "model_path": model_path, "load_format": load_format,
+        "weight_version": check_version(weight_version), "allowed_roots": _roots(allowed_roots),
+    }  # fmt: skip
     return WeightCall("update_weights_from_disk", kwargs)
+
+
+def _roots(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise TypeError(f"allowed_roots must be a list of directories or None, got {value!r:.100}")
+    if not all(isinstance(r, str) and r for r in value):
+        raise ValueError(f"allowed_roots must hold non-empty directory paths, got {value!r:.200}")
+    return list(value)
 
 
 def get_weights_by_name(name: str, truncate_size: int = 100) -> WeightCall:

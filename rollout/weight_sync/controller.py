@@ -1,6 +1,8 @@
 """WeightSyncController: every weight-sync control call, run inside the scheduler process.
 
-Control calls run between scheduler steps, so the step loop is held while one runs. Every update,
+Control calls run between scheduler steps, so the step loop is held while one runs; joining an
+update group, which waits on the trainer, runs on a thread instead and replies when done (see
+update_groups.py): calls for that group wait until the join has ended. Every update,
 whatever its source, takes one path: check every name, shape and dtype against the model ->
 load through the model's `load_weights` inside a WeightTransaction -> commit (publish the new
 version; later requests never reuse KV from older weights) or roll back, leaving the previous
@@ -21,13 +23,21 @@ from typing import Any
 
 from rollout.config import EngineOptions
 from rollout.engine.messages import AbortRequest
+from rollout.models.loader import OutsideRootsError
 from rollout.weight_sync import disk_source, distributed_source
 from rollout.weight_sync.calls import PAUSE_MODES
+from rollout.weight_sync.deferred import Deferred
 from rollout.weight_sync.memory import MemoryOccupation, check_tags
 from rollout.weight_sync.specs import WeightSpec, build_specs, check_against_model
-from rollout.weight_sync.tensor_handles import OpenedTensors, TensorHandles, open_tensors
+from rollout.weight_sync.tensor_handles import (
+    OpenedTensors,
+    TensorHandles,
+    check_receivable,
+    open_tensors,
+)
 from rollout.weight_sync.transaction import HostBuffers, WeightTransaction
-from rollout.weight_sync.update_group import UpdateGroup, WeightSyncError
+from rollout.weight_sync.update_group import WeightSyncError
+from rollout.weight_sync.update_groups import UpdateGroups
 from rollout.weight_sync.versions import VersionLabels
 
 logger = logging.getLogger(__name__)
@@ -43,7 +53,7 @@ class WeightSyncController:
         self.expected = self.model.hf_param_shapes()
         self.versions = VersionLabels(scheduler.weight_version)
         self.memory = MemoryOccupation(runner, scheduler, self.opts.enable_weights_cpu_backup)
-        self.groups: dict[str, UpdateGroup] = {}
+        self.groups = UpdateGroups(runner.device)
         self.host_buffers = HostBuffers()
         self.txn: WeightTransaction | None = None  # staged while paused
         self.txn_version: str | None = None
@@ -51,7 +61,7 @@ class WeightSyncController:
         self.missing: set[str] = set()
         self._ipc_open: OpenedTensors | None = None
 
-    def methods(self) -> dict[str, Callable[..., dict]]:
+    def methods(self) -> dict[str, Callable[..., dict | Deferred]]:
         calls = (
             self.init_weights_update_group, self.destroy_weights_update_group,
             self.update_weights_from_distributed, self.update_weights_from_tensor,
@@ -66,7 +76,7 @@ class WeightSyncController:
             "generation_paused": self.paused_mode,
             "weights_missing": len(self.missing),
             "weight_update_staged": len(self.txn.loaded) if self.txn else 0,
-            "weight_update_groups": sorted(self.groups),
+            **self.groups.info(),
             **self.memory.info(),
         }
 
@@ -74,32 +84,30 @@ class WeightSyncController:
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
         group_name: str, backend: str, timeout_s: float | None = None,
-    ) -> dict:  # fmt: skip
-        old = self.groups.get(group_name)
-        if old is not None and not old.closed:
-            raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
+    ) -> Deferred:  # fmt: skip
         if backend == "nccl" and self.runner.device.type != "cuda":
             raise ValueError("the nccl backend needs the engine on a GPU; use backend='gloo'")
-        self.groups[group_name] = UpdateGroup.join(
+        return self.groups.join(
             master_address, master_port, rank_offset + TP_RANK, world_size, group_name, backend,
-            timeout_s or self.opts.weight_sync_timeout_s, self.runner.device,
+            timeout_s or self.opts.weight_sync_timeout_s,
         )  # fmt: skip
-        return {"message": f"joined {group_name!r} as rank {rank_offset + TP_RANK} of {world_size}"}
 
-    def destroy_weights_update_group(self, group_name: str) -> dict:
-        group = self.groups.pop(group_name, None)
-        if group is None:
-            raise ValueError(f"no weight update group {group_name!r}; groups: {sorted(self.groups)}")
-        group.close()
-        return {"message": f"left {group_name!r}"}
+    def destroy_weights_update_group(self, group_name: str) -> dict | Deferred:
+        retry = lambda: self.destroy_weights_update_group(group_name)  # noqa: E731
+        return self.groups.after_join(group_name, retry) or self.groups.leave(group_name)
 
     # ---- the three sources ------------------------------------------------------------------
     def update_weights_from_distributed(
         self, names: list, dtypes: list, shapes: list, group_name: str,
         flush_cache: bool = True, weight_version: str | None = None, load_format: str | None = None,
-    ) -> dict:  # fmt: skip
+    ) -> dict | Deferred:  # fmt: skip
         # NOTE: flush_cache is accepted for SGLang's signature; KV from older weights is never
         # reused whatever it says (see Scheduler.publish_weight_version).
+        args = names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
+        retry = lambda: self.update_weights_from_distributed(*args)  # noqa: E731
+        waiting = self.groups.after_join(group_name, retry)
+        if waiting is not None:
+            return waiting
         with self._all_or_nothing():
             return self._from_distributed(names, dtypes, shapes, group_name, weight_version, load_format)
 
@@ -109,8 +117,6 @@ class WeightSyncController:
     ) -> dict:  # fmt: skip
         distributed_source.check_load_format(load_format)
         group = self.groups.get(group_name)
-        if group is None or group.closed:
-            raise ValueError(f"no open weight update group {group_name!r}; call init_weights_update_group")
         specs = build_specs(names, dtypes, shapes)
         units = distributed_source.broadcast_units(specs, load_format)
         try:
@@ -129,6 +135,7 @@ class WeightSyncController:
 
     def _from_tensor(self, handles: dict, weight_version: str | None) -> dict:
         parsed = TensorHandles.from_json(handles)
+        check_receivable(parsed)
         opened: list[OpenedTensors] = []
 
         def source() -> Iterable:
@@ -148,21 +155,27 @@ class WeightSyncController:
                 opened[0].close()
 
     def update_weights_from_disk(
-        self, model_path: str, load_format: str | None = None, weight_version: str | None = None
-    ) -> dict:
+        self, model_path: str, load_format: str | None = None, weight_version: str | None = None,
+        allowed_roots: list[str] | None = None,
+    ) -> dict:  # fmt: skip
+        """allowed_roots: every file opened must resolve under one of them (None: anywhere)."""
         with self._all_or_nothing():
-            return self._from_disk(model_path, load_format, weight_version)
+            return self._from_disk(model_path, load_format, weight_version, allowed_roots)
 
-    def _from_disk(self, model_path: str, load_format: str | None, weight_version: str | None) -> dict:
+    def _from_disk(
+        self, model_path: str, load_format: str | None, weight_version: str | None,
+        roots: list[str] | None,
+    ) -> dict:  # fmt: skip
         disk_source.check_load_format(load_format)
-        disk_source.check_config(model_path, self.runner.hf_config)
-        found = disk_source.read_specs(model_path)
+        disk_source.check_config(model_path, self.runner.hf_config, roots)
+        found = disk_source.read_specs(model_path, roots)
         specs = [spec for _, spec in found.values()]
         keep = self._check(specs, exact_dtype=False)
         lacking = sorted(set(self.expected) - {s.name for s in keep})
         if lacking:
             raise ValueError(f"checkpoint {model_path!r} lacks {len(lacking)} weights, e.g. {lacking[:3]}")
-        read = lambda: disk_source.read_tensors(found, [s.name for s in specs])  # noqa: E731
+        names = [s.name for s in specs]
+        read = lambda: disk_source.read_tensors(found, names, model_path, roots)  # noqa: E731
         return self._update(specs, read, False, streamed=False, version=weight_version)
 
     # ---- the one update path ----------------------------------------------------------------
@@ -175,8 +188,7 @@ class WeightSyncController:
         except Exception as e:
             if self.txn is None:
                 raise  # nothing staged, or `_update` already rolled it back
-            message = self._roll_back(self.txn, e)
-            raise (ValueError if isinstance(e, (ValueError, TypeError)) else WeightSyncError)(message) from e
+            raise _failure_kind(e)(self._roll_back(self.txn, e)) from e
 
     def _check(self, specs: list[WeightSpec], exact_dtype: bool) -> list[WeightSpec]:
         if "weights" in self.memory.released:
@@ -201,8 +213,7 @@ class WeightSyncController:
                 txn.load(name, tensor)
             txn.wait()
         except Exception as e:
-            message = self._roll_back(txn, e)
-            raise (ValueError if isinstance(e, (ValueError, TypeError)) else WeightSyncError)(message) from e
+            raise _failure_kind(e)(self._roll_back(txn, e)) from e
         if staged:
             self.txn, self.txn_version = txn, version or self.txn_version
             return {"message": f"staged {len(specs)} tensors; they apply at continue_generation", "staged": True}
@@ -290,19 +301,31 @@ class WeightSyncController:
         return out
 
 
-def _reported(fn: Callable[..., dict]) -> Callable[..., dict]:
+def _failure_kind(error: Exception) -> type[Exception]:
+    """What a failed update raises, its message saying what was rolled back."""
+    if isinstance(error, OutsideRootsError):
+        return OutsideRootsError
+    return ValueError if isinstance(error, (ValueError, TypeError)) else WeightSyncError
+
+
+def _reported(fn: Callable[..., dict | Deferred]) -> Callable[..., dict | Deferred]:
     """Runs a control call; its result, or its failure as {"success": False, ...}."""
+    return lambda **kwargs: _outcome(fn.__name__, lambda: fn(**kwargs))
 
-    def call(**kwargs: Any) -> dict:
-        try:
-            return {"success": True, "message": "", **fn(**kwargs)}
-        except (ValueError, TypeError, KeyError) as e:
-            return {"success": False, "error": type(e).__name__, "message": str(e)}
-        except WeightSyncError as e:
-            logger.warning("%s failed: %s", fn.__name__, e)
-            return {"success": False, "error": "WeightSyncError", "message": str(e)}
-        except Exception as e:  # noqa: BLE001 - every failure must reach the caller
-            logger.exception("%s failed", fn.__name__)
-            return {"success": False, "error": "WeightSyncError", "message": f"{type(e).__name__}: {e}"}
 
-    return call
+def _outcome(name: str, run: Callable[[], dict | Deferred]) -> dict | Deferred:
+    try:
+        out = run()
+    except (ValueError, TypeError, KeyError) as e:
+        return {"success": False, "error": type(e).__name__, "message": str(e)}
+    except OutsideRootsError as e:
+        return {"success": False, "error": "PermissionError", "message": str(e)}
+    except WeightSyncError as e:
+        logger.warning("%s failed: %s", name, e)
+        return {"success": False, "error": "WeightSyncError", "message": str(e)}
+    except Exception as e:  # noqa: BLE001 - every failure must reach the caller
+        logger.exception("%s failed", name)
+        return {"success": False, "error": "WeightSyncError", "message": f"{type(e).__name__}: {e}"}
+    if isinstance(out, Deferred):
+        return Deferred(out.done, lambda: _outcome(name, out.finish))
+    return {"success": True, "message": "", **out}

@@ -4,18 +4,22 @@ The checkpoint must be the same network as the one serving (every config field t
 the computation equal) and hold every weight, with the model's shapes; dtypes may differ (the
 load casts, as at startup). Headers are checked first, then every tensor is read into host
 memory, so a bad or truncated file fails before the model changes.
+
+Given allowed roots (the server's --allowed-weight-roots), every file is checked where it is
+opened (config.json, the index, each shard: see loader.open_checked), symlinks followed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from rollout.models.loader import safetensors_files
+from rollout.models.loader import open_checked, safetensors_files, shard_label
 from rollout.weight_sync.specs import WeightSpec
 
 LOAD_FORMATS = (None, "auto", "safetensors")
@@ -61,17 +65,21 @@ def check_load_format(load_format: Any) -> None:
         raise ValueError(f"load_format for a disk update must be None, auto or safetensors, got {load_format!r}")
 
 
-def check_config(model_path: str, serving: Any) -> None:
-    """Raises ValueError unless `model_path`'s config.json describes the `serving` network."""
+def check_config(model_path: str, serving: Any, roots: Sequence[str] | None = None) -> None:
+    """Raises ValueError unless `model_path`'s config.json describes the `serving` network
+    (OutsideRootsError if, with `roots`, it resolves outside them)."""
     from transformers import AutoConfig
 
     path = os.path.join(model_path, "config.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise ValueError(f"model_path must be a checkpoint directory with config.json, got {model_path!r}")
-    try:
-        new = AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read the config of {model_path!r}: {e}") from e
+    with open_checked(path, "config.json", roots) as readable:
+        try:
+            new = AutoConfig.from_pretrained(readable)
+        except (OSError, ValueError, json.JSONDecodeError) as e:
+            # Name the file as the caller knows it, not by the descriptor path read here.
+            reason = str(e).replace(readable, "config.json")[:300]
+            raise ValueError(f"cannot read the config of {model_path!r}: {reason}") from e
     diffs = []
     for key in COMPATIBLE_FIELDS:
         old_value, new_value = getattr(serving, key, None), getattr(new, key, None)
@@ -89,45 +97,57 @@ def _normalized(value: Any) -> Any:
     return dict(value) if isinstance(value, dict) else value
 
 
-def read_specs(model_path: str) -> dict[str, tuple[str, WeightSpec]]:
-    """name -> (file, spec) from the safetensors headers alone."""
+Found = dict[str, tuple[str, WeightSpec]]  # HF name -> (file, spec)
+
+
+def read_specs(model_path: str, roots: Sequence[str] | None = None) -> Found:
+    """name -> (file, spec) from the safetensors headers alone. With `roots`, every file opened
+    (index, shards) must resolve under one of them, else OutsideRootsError."""
     try:
-        files = safetensors_files(model_path)
-    except (FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+        files = safetensors_files(model_path, roots)
+    except FileNotFoundError as e:
         raise ValueError(f"no readable safetensors weights in {model_path!r}: {e}") from e
-    out: dict[str, tuple[str, WeightSpec]] = {}
+    out: Found = {}
     for path in files:
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    piece = f.get_slice(name)
-                    dtype = _ST_DTYPES.get(piece.get_dtype())
-                    if dtype is None:
-                        raise ValueError(f"{name} in {path} has unsupported dtype {piece.get_dtype()}")
-                    if name in out:
-                        raise ValueError(f"{name} appears in both {out[name][0]} and {path}")
-                    out[name] = (path, WeightSpec(name, tuple(piece.get_shape()), dtype))
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"cannot read {path}: {e}") from e
+        label = shard_label(path, model_path)
+        with open_checked(path, label, roots) as readable:
+            try:
+                with safe_open(readable, framework="pt") as f:
+                    for name in f.keys():
+                        piece = f.get_slice(name)
+                        dtype = _ST_DTYPES.get(piece.get_dtype())
+                        if dtype is None:
+                            kind = piece.get_dtype()
+                            raise ValueError(f"{name} in {label} has unsupported dtype {kind}")
+                        if name in out:
+                            first = shard_label(out[name][0], model_path)
+                            raise ValueError(f"{name} appears in both {first} and {label}")
+                        out[name] = (path, WeightSpec(name, tuple(piece.get_shape()), dtype))
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"cannot read {label}: {e}") from e
     return out
 
 
-def read_tensors(specs: dict[str, tuple[str, WeightSpec]], names: list[str]) -> list[tuple[str, torch.Tensor]]:
+def read_tensors(
+    specs: Found, names: list[str], model_path: str, roots: Sequence[str] | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """Reads `names` into host memory, file by file; ValueError if any is unreadable or differs
-    from its header."""
+    from its header. Each file is opened (and, with `roots`, checked) again here."""
     by_file: dict[str, list[str]] = {}
     for name in names:
         by_file.setdefault(specs[name][0], []).append(name)
     out = []
     for path, file_names in by_file.items():
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in file_names:
-                    tensor = f.get_tensor(name)
-                    spec = specs[name][1]
-                    if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-                        raise ValueError(f"{name} in {path} does not match its header")
-                    out.append((name, tensor))
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise ValueError(f"cannot read {path}: {e}") from e
+        label = shard_label(path, model_path)
+        with open_checked(path, label, roots) as readable:
+            try:
+                with safe_open(readable, framework="pt") as f:
+                    for name in file_names:
+                        tensor = f.get_tensor(name)
+                        spec = specs[name][1]
+                        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                            raise ValueError(f"{name} in {label} does not match its header")
+                        out.append((name, tensor))
+            except (SafetensorError, OSError, RuntimeError) as e:
+                raise ValueError(f"cannot read {label}: {e}") from e
     return out

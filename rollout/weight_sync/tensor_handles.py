@@ -226,7 +226,18 @@ class OpenedTensors:
         self.buffers = []
 
 
+def check_receivable(handles: TensorHandles) -> None:
+    """CUDA IPC handles open only in a process that has CUDA: elsewhere that is the sender's
+    mistake (ValueError), not a failed transfer."""
+    if handles.kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "CUDA tensor handles need a GPU engine, and this engine runs without CUDA; send host "
+            "tensors instead (they travel as shared memory)"
+        )
+
+
 def open_tensors(handles: TensorHandles) -> OpenedTensors:
+    check_receivable(handles)
     if handles.kind == "cpu":
         blocks = [MappedBlock(b["shm"], b["nbytes"]) for b in handles.buffers]
         raws = [b.tensor for b in blocks]

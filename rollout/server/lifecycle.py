@@ -1,0 +1,118 @@
+"""The life of a `rollout serve` process: uvicorn in front of the engine, stopped cleanly by
+SIGTERM or SIGINT, and stopped with exit status 1 when the engine dies.
+
+How uvicorn (0.3x) handles signals, and how this fits in: while `Server.serve` runs, uvicorn's
+own SIGINT/SIGTERM handlers are installed (`capture_signals`): the first signal starts a
+graceful shutdown, a second SIGINT forces it. When serve ends, uvicorn puts back the handlers it
+found and raises each captured signal again, for the program around it to see. The handlers it
+finds are ours (ShutdownSignals): before uvicorn runs they interrupt the engine's start; after,
+the re-raised signal only confirms the shutdown under way. So the engine is always shut down
+(children reaped, IPC folder removed) and the process exits 0, where the re-raised SIGTERM would
+kill it before that and the re-raised SIGINT would end in a KeyboardInterrupt traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from typing import Any
+
+import uvicorn
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+ENGINE_POLL_S = 0.5
+EXIT_ENGINE_DIED = 1
+
+
+class StartInterrupted(BaseException):
+    """SIGINT or SIGTERM arrived while the engine was starting. A BaseException, as
+    KeyboardInterrupt is, so that no `except Exception` on the way swallows it."""
+
+
+class ShutdownSignals:
+    """SIGINT/SIGTERM handlers for the whole life of the process (a context manager; restores
+    the previous handlers on exit). Until `server` is set a signal raises StartInterrupted;
+    after, it asks the server to stop (a no-op once it is stopping). Signals that follow a
+    StartInterrupted are ignored: they would interrupt the cleanup it set off."""
+
+    def __init__(self) -> None:
+        self.server: EngineServer | None = None
+        self._interrupted = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> ShutdownSignals:
+        # Only the main thread may set handlers (uvicorn, too, then leaves signals alone).
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, sig: int, frame: Any) -> None:
+        if self.server is not None:
+            self.server.stop()
+        elif not self._interrupted:
+            self._interrupted = True
+            raise StartInterrupted(f"{signal.Signals(sig).name} while the engine was starting")
+
+
+class EngineServer(uvicorn.Server):
+    """uvicorn's server over one engine. A shutdown signal first aborts the engine's requests
+    (their clients get finish_reason abort) and turns new ones away (see Guard), then uvicorn
+    waits for the answers to go out. If the engine dies, the server shuts down too and
+    `engine_died` is set, so that the process exits non-zero and a supervisor restarts it."""
+
+    def __init__(self, config: uvicorn.Config, engine: Any, app_state: Any) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.app_state = app_state
+        self.engine_died = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)  # first: it tells a second SIGINT by should_exit
+        self._drain()
+
+    def stop(self) -> None:
+        """Starts the shutdown as a signal would. Idempotent."""
+        self._drain()
+        self.should_exit = True
+
+    def _drain(self) -> None:
+        if self.app_state.stopping:
+            return
+        self.app_state.stopping = True
+        # A thread: this runs in a signal handler, and the abort waits on the engine's loop.
+        threading.Thread(target=_abort_all, args=(self.engine,), daemon=True).start()
+
+    async def serve(self, sockets: Any = None) -> None:
+        watchdog = asyncio.ensure_future(self._watch_engine())
+        try:
+            await super().serve(sockets)
+        finally:
+            watchdog.cancel()
+
+    async def _watch_engine(self) -> None:
+        while not self.should_exit:
+            await asyncio.sleep(ENGINE_POLL_S)
+            if not self.should_exit and not self.engine.is_alive():
+                logger.error(
+                    "rollout: the engine stopped serving (%s); shutting down with exit status %d",
+                    self.engine.dead_reason or "unknown reason",
+                    EXIT_ENGINE_DIED,
+                )
+                self.engine_died = True
+                self.app_state.stopping = True
+                self.should_exit = True
+
+
+def _abort_all(engine: Any) -> None:
+    try:
+        engine.abort_request(abort_all=True)
+    except Exception as e:  # noqa: BLE001 - shutting down regardless (e.g. the engine is dead)
+        logger.warning("rollout: could not abort the requests in flight at shutdown: %s", e)

@@ -1,0 +1,168 @@
+"""`rollout serve` as a process: SIGTERM and SIGINT stop it cleanly (requests in flight end with
+abort, children reaped, IPC folder removed, exit 0, no traceback); a dead engine stops it with
+exit status 1 so that a supervisor restarts it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+from server_helpers import SERVER_ARGS, free_port
+
+from rollout.client import RolloutClient
+
+
+@contextmanager
+def _server(model_path: str, log_path: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A ready server whose stderr goes to a file (a pipe nobody reads could fill and stall
+    it); killed on the way out if the test left it running."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "rollout.serve", "--model-path", model_path, "--port", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*cmd, *SERVER_ARGS], stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with RolloutClient(url) as client:
+            client.wait_ready(timeout=120)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _stat_fields(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(_stat_fields(int(entry))[1]) == pid:
+                    kids.append(int(entry))
+            except (OSError, IndexError):
+                continue
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    """Running or a zombie nobody reaped (a reaped process is gone from /proc)."""
+    try:
+        _stat_fields(pid)
+    except OSError:
+        return False
+    return True
+
+
+def _unix_sockets(pid: int) -> list[str]:
+    """Paths of the unix sockets process `pid` holds (its ZMQ ipc:// endpoints among them)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    paths = []
+    with open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 8 and parts[6] in inodes:
+                paths.append(parts[7])
+    return paths
+
+
+def _ipc_dir(pid: int) -> str:
+    [folder] = {os.path.dirname(p) for p in _unix_sockets(pid) if "rollout-ipc-" in p}
+    return folder
+
+
+def _scheduler(children: list[int]) -> int:
+    """The child that listens on the IPC folder's `sched` socket."""
+    [pid] = [c for c in children if any(p.endswith("/sched") for p in _unix_sockets(c))]
+    return pid
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_shutdown_signal_aborts_requests_reaps_children_and_exits_0(tiny_qwen3, tmp_path, sig):
+    log = str(tmp_path / "server.log")
+    events: list[dict] = []
+    with _server(tiny_qwen3, log) as (proc, url):
+        children = _children(proc.pid)
+        assert len(children) >= 2  # the scheduler and the detokenizer
+        ipc_dir = _ipc_dir(proc.pid)
+        assert os.path.isdir(ipc_dir)
+        streaming = threading.Event()
+
+        def stream() -> None:
+            params = {"max_new_tokens": 4000, "ignore_eos": True}
+            body = {"text": "go on", "sampling_params": params, "stream": True}
+            with httpx.stream("POST", f"{url}/generate", json=body, timeout=30) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        streaming.set()
+
+        client = threading.Thread(target=stream, daemon=True)
+        client.start()
+        assert streaming.wait(30), "the stream produced nothing"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=15) == 0
+        client.join(timeout=15)
+    assert not client.is_alive()
+    finish = events[-1]["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort", events[-1]
+    assert events[-1]["meta_info"]["completion_tokens"] < 4000
+    with open(log) as f:
+        stderr = f.read()
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert _wait_gone(children, timeout=5) == []
+    assert not os.path.exists(ipc_dir)
+
+
+def test_a_dead_scheduler_fails_health_at_once_and_the_server_exits_1(tiny_qwen3, tmp_path):
+    log = str(tmp_path / "server.log")
+    with _server(tiny_qwen3, log) as (proc, url):
+        children = _children(proc.pid)
+        scheduler = _scheduler(children)
+        ipc_dir = _ipc_dir(proc.pid)
+        assert httpx.get(f"{url}/health").status_code == 200
+        os.kill(scheduler, signal.SIGKILL)
+        killed = time.monotonic()
+        status = None
+        while time.monotonic() - killed < 2:
+            try:
+                status = httpx.get(f"{url}/health", timeout=1).status_code
+            except httpx.TransportError:
+                break  # already shutting down: the port is closed
+            if status != 200:
+                break
+            time.sleep(0.02)
+        assert status == 503, "/health kept answering 200 after the scheduler died"
+        assert proc.wait(timeout=20) == 1
+    with open(log) as f:
+        stderr = f.read()
+    assert "the engine stopped serving" in stderr, stderr
+    assert _wait_gone(children, timeout=5) == []
+    assert not os.path.exists(ipc_dir)
