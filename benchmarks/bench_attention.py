@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     import flashinfer
 
-    from rollout.engine.kv_pool import kv_cache_dtype, to_kv_dtype
+    from rollout.forward.kv_pool import kv_cache_dtype, to_kv_dtype
     from rollout_kernels import decode_attention as triton_decode
 
     torch.manual_seed(0)

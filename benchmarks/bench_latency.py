@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from benchmarks.hf_baseline import hf_generate_seconds, load_hf_model  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402
 from rollout.config import ModelOptions  # noqa: E402
-from rollout.engine.kv_pool import kv_cache_dtype  # noqa: E402
+from rollout.forward.kv_pool import kv_cache_dtype  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def bytes_per_decode_step(
     in kv_dtype (None: dtype)."""
     from transformers import AutoConfig
 
-    from rollout.engine.kv_pool import KVPool
+    from rollout.forward.kv_pool import KVPool
     from rollout.models.loader import build_model
 
     config = AutoConfig.from_pretrained(model_path)

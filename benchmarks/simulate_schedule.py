@@ -24,13 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_gemv import projections  # noqa: E402
 from benchmarks.bench_offline import fixed_workload, grpo_workload, nano_workload, random_workload  # noqa: E402
 from rollout.config import EngineOptions  # noqa: E402
-from rollout.engine.forward_batch import ForwardMode  # noqa: E402
-from rollout.engine.kv_pool import ReqToTokenPool  # noqa: E402
 from rollout.engine.launched_step import LaunchedStep, ReqStepOutput  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
 from rollout.engine.sampling_params import SamplingParams  # noqa: E402
 from rollout.engine.scheduler import Scheduler  # noqa: E402
 from rollout.engine.stop_checker import StopChecker  # noqa: E402
+from rollout.forward.forward_batch import ForwardMode  # noqa: E402
+from rollout.forward.kv_pool import ReqToTokenPool  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS  # noqa: E402
 
 BYTES = 2  # bf16 weights and KV

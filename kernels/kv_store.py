@@ -11,7 +11,7 @@ import triton.language as tl
 @triton.jit
 def to_cache_dtype(x, cache_ptr):
     """x cast for a store through cache_ptr; into an 8-bit float cache, clamped to the type's
-    finite range first, as rollout.engine.kv_pool.to_kv_dtype does."""
+    finite range first, as rollout.forward.kv_pool.to_kv_dtype does."""
     dtype = cache_ptr.dtype.element_ty
     if dtype.is_fp8e4nv():
         x = tl.clamp(x.to(tl.float32), -448.0, 448.0)

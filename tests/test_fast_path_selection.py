@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from rollout.config import EngineOptions, ModelOptions
-from rollout.engine import attention
-from rollout.engine.attention.flashinfer_backend import (
+from rollout.engine.cuda_graph_runner import graph_batch_sizes, padded_size
+from rollout.forward import attention
+from rollout.forward.attention.flashinfer_backend import (
     host_indptr,
     kv_indices,
     speed_up_plans,
     tensor_aware_max,
 )
-from rollout.engine.cuda_graph_runner import graph_batch_sizes, padded_size
-from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout.real_configs import REAL_CONFIGS
 
 CUDA = torch.device("cuda", 0)
@@ -121,7 +121,7 @@ def _batch(mode: ForwardMode, lens: list[int]) -> ForwardBatch:
 
 
 def test_hybrid_backend_routes_decode_by_batch_size():
-    from rollout.engine.attention.hybrid_backend import HybridAttentionBackend
+    from rollout.forward.attention.hybrid_backend import HybridAttentionBackend
 
     calls = []
     hybrid = HybridAttentionBackend(_Recorder("extend", calls), _Recorder("decode", calls), decode_max_batch=2)
@@ -220,7 +220,7 @@ def test_kv_page_list_is_each_requests_slots_in_order():
 
 
 def test_fp8_e4m3_kv_needs_a_gpu_that_converts_it(monkeypatch):
-    from rollout.engine.kv_pool import check_kv_dtype_runs, kv_cache_dtype
+    from rollout.forward.kv_pool import check_kv_dtype_runs, kv_cache_dtype
 
     assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert kv_cache_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2

@@ -17,11 +17,11 @@ import pytest
 from rollout import RolloutEngine
 from rollout.config import EngineOptions
 from rollout.engine.detokenizer import Detokenizer
-from rollout.engine.forward_batch import ForwardMode
 from rollout.engine.messages import ReqOutput, TokenizedRequest
 from rollout.engine.sampling_params import SamplingParams
 from rollout.engine.scheduler_process import SchedulerProcess
 from rollout.engine.tokenizer_manager import EngineDeadError, RequestFailedError
+from rollout.forward.forward_batch import ForwardMode
 
 KV_TOKENS = 512
 SECRET = "/srv/secret/module.py"  # in the injected error: must not reach the request's message

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from rollout import RolloutEngine
-from rollout.engine import memory_regions
-from rollout.engine.attention import package_imports
+from rollout.forward import memory_regions
+from rollout.forward.attention import package_imports
 from rollout.tiny_model import make_tiny_model
 
 pytestmark = [

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from rollout import RolloutEngine
-from rollout.engine.attention import package_imports
+from rollout.forward.attention import package_imports
 from rollout.real_configs import REAL_CONFIGS
 from rollout.tiny_model import write_tokenizer
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from rollout.engine.kv_manager import KVManager
-from rollout.engine.kv_pool import ReqToTokenPool
 from rollout.engine.messages import TokenizedRequest
 from rollout.engine.req import Req
 from rollout.engine.sampling_params import SamplingParams
+from rollout.forward.kv_pool import ReqToTokenPool
 
 
 def _req(rid: str, ids: list[int]) -> Req:

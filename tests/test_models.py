@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from rollout.engine.attention import create_attention_backend
-from rollout.engine.forward_batch import ForwardBatch, ForwardMode
-from rollout.engine.kv_pool import KVPool, ReqToTokenPool
+from rollout.forward.attention import create_attention_backend
+from rollout.forward.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.kv_pool import KVPool, ReqToTokenPool
 from rollout.models import get_model_class
 from rollout.models.layers import RotaryEmbedding
 from rollout.models.llama import head_dim_of

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from rollout.engine.kv_pool import SlotAllocator
 from rollout.engine.radix_cache import RadixCache
+from rollout.forward.kv_pool import SlotAllocator
 
 NUM_SLOTS = 64
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from devices import CPU_AND_CUDA
 
-from rollout.engine.kv_pool import ReqToTokenPool
+from rollout.forward.kv_pool import ReqToTokenPool
 
 DEVICES = CPU_AND_CUDA
 

@@ -13,10 +13,10 @@ from server_helpers import free_port
 from transformers import AutoConfig
 
 from rollout.engine.kv_manager import KVManager
-from rollout.engine.kv_pool import ReqToTokenPool
 from rollout.engine.messages import TokenizedRequest
 from rollout.engine.req import Req
 from rollout.engine.sampling_params import SamplingParams
+from rollout.forward.kv_pool import ReqToTokenPool
 from rollout.models.loader import load_model
 from rollout.weight_sync.flat_bucket import FlatBucket
 from rollout.weight_sync.specs import WeightSpec, build_specs, check_against_model

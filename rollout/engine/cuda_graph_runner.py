@@ -21,10 +21,10 @@ import time
 import torch
 from torch import nn
 
-from rollout.engine import memory_regions
-from rollout.engine.attention.base import AttentionBackend
-from rollout.engine.forward_batch import ForwardBatch, ForwardMode
-from rollout.engine.kv_pool import KVPool
+from rollout.forward import memory_regions
+from rollout.forward.attention.base import AttentionBackend
+from rollout.forward.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
 

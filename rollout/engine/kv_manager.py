@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engine.kv_pool import ReqToTokenPool, SlotAllocator
 from rollout.engine.radix_cache import RadixCache
 from rollout.engine.req import Req
+from rollout.forward.kv_pool import ReqToTokenPool, SlotAllocator
 
 
 class KVManager:

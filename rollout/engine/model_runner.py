@@ -11,19 +11,19 @@ import logging
 import torch
 
 from rollout.config import EngineOptions
-from rollout.engine import memory_regions
-from rollout.engine.attention import (
+from rollout.engine.cuda_graph_runner import CudaGraphRunner
+from rollout.engine.launched_step import LaunchedStep, LogitRow, ReqStepOutput
+from rollout.engine.req import Req, ScheduleBatch
+from rollout.engine.sampler import SamplingBatch, sample
+from rollout.forward import memory_regions
+from rollout.forward.attention import (
     AttentionShape,
     create_attention_backend,
     resolve_attention_backend,
     resolve_decode_backend,
 )
-from rollout.engine.cuda_graph_runner import CudaGraphRunner
-from rollout.engine.forward_batch import ForwardBatch, ForwardMode
-from rollout.engine.kv_pool import KVPool, ReqToTokenPool, check_kv_dtype_runs, kv_cache_dtype
-from rollout.engine.launched_step import LaunchedStep, LogitRow, ReqStepOutput
-from rollout.engine.req import Req, ScheduleBatch
-from rollout.engine.sampler import SamplingBatch, sample
+from rollout.forward.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.kv_pool import KVPool, ReqToTokenPool, check_kv_dtype_runs, kv_cache_dtype
 from rollout.models.layers import use_fused_kernels
 from rollout.models.loader import load_model, resolve_dtype
 

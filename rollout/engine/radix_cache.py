@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.engine.kv_pool import SlotAllocator
+from rollout.forward.kv_pool import SlotAllocator
 
 
 class TreeNode:

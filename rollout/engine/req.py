@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from rollout.engine.forward_batch import ForwardMode
 from rollout.engine.messages import DecodeParams, ReqOutput, TokenizedRequest
+from rollout.forward.forward_batch import ForwardMode
 
 
 @dataclass

@@ -28,7 +28,6 @@ from collections import deque
 import torch
 
 from rollout.config import EngineOptions
-from rollout.engine.forward_batch import ForwardMode
 from rollout.engine.kv_manager import KVManager
 from rollout.engine.launched_step import LaunchedStep, ReqStepOutput
 from rollout.engine.messages import AbortRequest, ReqOutput, TokenizedRequest, failure_reason
@@ -36,6 +35,7 @@ from rollout.engine.model_runner import ModelRunner
 from rollout.engine.req import Req, ScheduleBatch
 from rollout.engine.sampling_params import SamplingParams
 from rollout.engine.stop_checker import StopChecker
+from rollout.forward.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout.engine.attention import Attention
-from rollout.engine.forward_batch import ForwardBatch
+from rollout.forward.attention import Attention
+from rollout.forward.forward_batch import ForwardBatch
 from rollout.models.layers import (
     FusedOps,
     Linear,

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from rollout.engine import memory_regions
-from rollout.engine.memory_regions import TAGS
+from rollout.forward import memory_regions
+from rollout.forward.memory_regions import TAGS
 
 logger = logging.getLogger(__name__)
 

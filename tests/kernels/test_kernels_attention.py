@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from paged_fixtures import make_paged_batch, reference_attention  # noqa: E402
 
-from rollout.engine.kv_pool import to_kv_dtype  # noqa: E402
+from rollout.forward.kv_pool import to_kv_dtype  # noqa: E402
 from rollout_kernels.attention_merge import merge_attention_parts  # noqa: E402
 from rollout_kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
 from rollout_kernels.extend_attention import extend_attention  # noqa: E402

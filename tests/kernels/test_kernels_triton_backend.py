@@ -14,12 +14,12 @@ from transformers import AutoConfig
 
 pytest.importorskip("triton")
 
-from rollout.engine.attention import AttentionShape, create_attention_backend  # noqa: E402
-from rollout.engine.attention.hybrid_backend import HybridAttentionBackend  # noqa: E402
-from rollout.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from rollout.engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from rollout.engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from rollout.engine.kv_pool import KVPool, to_kv_dtype  # noqa: E402
+from rollout.forward.attention import AttentionShape, create_attention_backend  # noqa: E402
+from rollout.forward.attention.hybrid_backend import HybridAttentionBackend  # noqa: E402
+from rollout.forward.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from rollout.forward.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from rollout.forward.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from rollout.forward.kv_pool import KVPool, to_kv_dtype  # noqa: E402
 from rollout.models.layers import use_fused_kernels  # noqa: E402
 from rollout.models.llama import head_dim_of  # noqa: E402
 from rollout.models.loader import load_model  # noqa: E402

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rollout.engine.forward_batch import ForwardBatch
+from rollout.forward.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

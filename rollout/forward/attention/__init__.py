@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.engine.attention.base import Attention, AttentionBackend, AttentionShape
+from rollout.forward.attention.base import Attention, AttentionBackend, AttentionShape
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -30,13 +30,13 @@ class BackendEntry:
 
 
 def _torch(shape: AttentionShape | None) -> AttentionBackend:
-    from rollout.engine.attention.torch_backend import TorchAttentionBackend
+    from rollout.forward.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()
 
 
 def _flashinfer(shape: AttentionShape | None) -> AttentionBackend:
-    from rollout.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+    from rollout.forward.attention.flashinfer_backend import FlashInferAttentionBackend
 
     if shape is None:
         raise ValueError(
@@ -46,7 +46,7 @@ def _flashinfer(shape: AttentionShape | None) -> AttentionBackend:
 
 
 def _triton(shape: AttentionShape) -> AttentionBackend:
-    from rollout.engine.attention.triton_backend import TritonAttentionBackend
+    from rollout.forward.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend(shape)
 
@@ -153,7 +153,7 @@ def create_attention_backend(
             )
     if decode.backend == name:
         return BACKENDS[name].create(shape)
-    from rollout.engine.attention.hybrid_backend import HybridAttentionBackend
+    from rollout.forward.attention.hybrid_backend import HybridAttentionBackend
 
     return HybridAttentionBackend(
         BACKENDS[name].create(shape), BACKENDS[decode.backend].create(shape), decode.max_batch

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rollout.engine.attention.base import Attention, AttentionBackend
-from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.attention.base import Attention, AttentionBackend
+from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 
 # cuDNN's SDPA rebuilds its graph for every new shape: milliseconds of host time per call.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from rollout.engine.attention.base import AttentionBackend
-    from rollout.engine.kv_pool import KVPool
+    from rollout.forward.attention.base import AttentionBackend
+    from rollout.forward.kv_pool import KVPool
 
 
 class ForwardMode(Enum):

@@ -17,8 +17,8 @@ import itertools
 
 import torch
 
-from rollout.engine.attention.base import Attention, AttentionBackend, AttentionShape
-from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.attention.base import Attention, AttentionBackend, AttentionShape
+from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout_kernels.kv_store import store_kv
 
 # The split-KV scratch space every wrapper shares (FlashInfer recommends 128 MiB).

@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from rollout.engine.attention.base import Attention, AttentionBackend, AttentionShape
-from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.attention.base import Attention, AttentionBackend, AttentionShape
+from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout_kernels.decode_attention import choose_num_splits, decode_attention
 from rollout_kernels.extend_attention import extend_attention
 from rollout_kernels.kv_store import store_kv

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engine.attention.base import Attention, AttentionBackend
-from rollout.engine.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.attention.base import Attention, AttentionBackend
+from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 
 
 class HybridAttentionBackend(AttentionBackend):
