@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from benchmarks.hf_baseline import hf_generate_seconds, load_hf_model  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402
-from rollout.config import ModelOptions  # noqa: E402
+from rollout.config import CacheOptions, KernelOptions  # noqa: E402
 from rollout.forward.kv_pool import kv_cache_dtype  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
 
@@ -86,6 +86,7 @@ def decode_timing(run, output_len: int, repeats: int, warmup_len: int) -> dict:
 
 
 def main() -> None:
+    kernels, cache = KernelOptions(), CacheOptions()  # the engine's defaults
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -96,11 +97,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--attention-backend", default=kernels.attention_backend)
     parser.add_argument("--disable-cuda-graph", action="store_true")
-    parser.add_argument("--skinny-gemm-max-rows", type=int, default=ModelOptions().skinny_gemm_max_rows)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
-    parser.add_argument("--triton-decode-max-batch", type=int, default=ModelOptions().triton_decode_max_batch)
+    parser.add_argument("--skinny-gemm-max-rows", type=int, default=kernels.skinny_gemm_max_rows)
+    parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
+    parser.add_argument("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
     parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
     args = parser.parse_args()
     if args.output_len < 2:

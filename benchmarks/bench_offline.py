@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rollout import RolloutEngine  # noqa: E402
-from rollout.config import ModelOptions  # noqa: E402
+from rollout.config import CacheOptions, KernelOptions  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
 
 Workload = tuple[list[list[int]], list[dict]]
@@ -190,6 +190,7 @@ def read_config(parser: argparse.ArgumentParser, model_dir: str) -> dict:
 
 
 def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    kernels, cache = KernelOptions(), CacheOptions()  # the engine's defaults
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -210,14 +211,14 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add("--device", default=None)
     add("--disable-radix-cache", action="store_true")
     add("--max-total-tokens", type=int)
-    add("--attention-backend", default="auto")
+    add("--attention-backend", default=kernels.attention_backend)
     add("--disable-cuda-graph", action="store_true")
     add("--disable-overlap-schedule", action="store_true")
     add("--compare", choices=["hf"], help="also time transformers generate (GPU)")
     add("--hf-batch-size", type=int, default=64)
-    add("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
-    add("--skinny-gemm-max-rows", type=int, default=ModelOptions().skinny_gemm_max_rows)
-    add("--triton-decode-max-batch", type=int, default=ModelOptions().triton_decode_max_batch)
+    add("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
+    add("--skinny-gemm-max-rows", type=int, default=kernels.skinny_gemm_max_rows)
+    add("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
     args = parser.parse_args()
     resolve_lengths(parser, args)
     if args.compare == "hf" and not torch.cuda.is_available():

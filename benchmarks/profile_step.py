@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from rollout.config import EngineOptions, ModelOptions  # noqa: E402
+from rollout.config import CacheOptions, EngineOptions, KernelOptions  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
 from rollout.engine.sampling_params import SamplingParams  # noqa: E402
 from rollout.engine.scheduler_process import SchedulerProcess  # noqa: E402
@@ -27,18 +27,19 @@ from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: 
 
 
 def main() -> None:
+    kernels, cache = KernelOptions(), CacheOptions()  # the engine's defaults
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--attention-backend", default=kernels.attention_backend)
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--cprofile", action="store_true", help="also print the Python functions taking the host's time")
     parser.add_argument("--extend", action="store_true", help="profile the prompts' prefill steps instead of decode")
-    parser.add_argument("--skinny-gemm-max-rows", type=int, default=ModelOptions().skinny_gemm_max_rows)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
+    parser.add_argument("--skinny-gemm-max-rows", type=int, default=kernels.skinny_gemm_max_rows)
+    parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--trace", help="also write the profiled decode steps as a Chrome trace here")
     args = parser.parse_args()
     options = {

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.bench_offline import fixed_workload, grpo_workload, nano_workload, random_workload  # noqa: E402
-from rollout.config import EngineOptions  # noqa: E402
+from rollout.config import CacheOptions, EngineOptions, KernelOptions  # noqa: E402
 from rollout.engine import launched_step  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
 from rollout.engine.sampling_params import SamplingParams  # noqa: E402
@@ -117,6 +117,7 @@ def bucket(n: int) -> str:
 
 
 def main() -> None:
+    kernels, cache = KernelOptions(), CacheOptions()  # the engine's defaults
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--workload", choices=["nano", "grpo", "fixed", "random"], default="nano")
@@ -124,16 +125,16 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--decode-attention-backend", default="auto")
+    parser.add_argument("--attention-backend", default=kernels.attention_backend)
+    parser.add_argument("--decode-attention-backend", default=kernels.decode_attention_backend)
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument(
         "--decode-split-keys", type=int,
         help="keys per piece of the Triton decode kernel's split-KV (to compare piece lengths)",
     )  # fmt: skip
-    parser.add_argument("--triton-decode-max-batch", type=int, default=32)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8_e4m3 or fp8_e5m2")
+    parser.add_argument("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
+    parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
     args = parser.parse_args()
     if args.decode_split_keys is not None:
         from rollout_kernels import decode_attention
@@ -164,7 +165,7 @@ def main() -> None:
     steps = run(sched, *workload())
     total = time.perf_counter() - start
     keys = "" if args.decode_split_keys is None else f", decode pieces of {args.decode_split_keys} keys"
-    print(f"{args.workload} on {args.model}: {total:.2f} s, {len(steps)} steps{keys}, decode on {sched.runner.decode_attention}")
+    print(f"{args.workload} on {args.model}: {total:.2f} s, {len(steps)} steps{keys}, decode on {sched.runner.kernel_plan.decode_attention}")
     decode = [size for mode, size, *_ in steps if mode == "decode"]
     if decode:
         print(f"mean decode batch {sum(decode) / len(decode):.1f}; scheduler stats {sched.stats}")

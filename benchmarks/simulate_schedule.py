@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_gemv import projections  # noqa: E402
 from benchmarks.bench_offline import fixed_workload, grpo_workload, nano_workload, random_workload  # noqa: E402
-from rollout.config import EngineOptions  # noqa: E402
+from rollout.config import EngineOptions, SchedulerOptions  # noqa: E402
 from rollout.engine.launched_step import LaunchedStep, ReqStepOutput  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
 from rollout.engine.sampling_params import SamplingParams  # noqa: E402
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=4096)
     parser.add_argument("--output-len", type=int, default=2048)
     parser.add_argument("--kv-tokens", type=int, required=True, help="KV pool size, as the engine reports it")
-    parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument("--max-running-requests", type=int, default=SchedulerOptions().max_running_requests)
     parser.add_argument(
         "--kv-element-bytes", type=int, default=BYTES,
         help="bytes per cached K/V element (2: bf16; 1: an 8-bit cache, with twice the --kv-tokens in the same memory)",

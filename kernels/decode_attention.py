@@ -20,10 +20,10 @@ from rollout_kernels.paged_inputs import check_paged_inputs
 from rollout_kernels.precision import dot_precision
 
 # One bf16 tile of keys per piece. A short request at a small batch then still spreads over
-# many programs (at batch 1, 256-key pieces left most SMs idle: Qwen2.5-7B decoded 3% slower),
-# and a batch of very different lengths splits into even work (the nano workload ran 8.3 s with
-# 64-key pieces, 9.3-9.6 s with 256-key pieces or with longer pieces for larger batches; one
-# run each, benchmarks/RESULTS.md).
+# many programs (with 256-key pieces most SMs sat idle at batch 1, and batch-1 Qwen2.5-7B
+# decoded slower), and a batch of very different lengths splits into even work (the nano
+# workload ran slower with 256-key pieces, or with longer pieces for larger batches:
+# benchmarks/RESULTS.md, fourth session).
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 16
 

@@ -15,8 +15,12 @@ from typing import Any
 
 import httpx
 
+from rollout.control import ControlCall
+from rollout.engine.control_calls import FlushCache, GetServerInfo
+from rollout.engine.messages import AbortRequest
+from rollout.errors import EXCEPTIONS, HTTP, Forbidden
 from rollout.weight_sync import calls
-from rollout.weight_sync.update_group import WeightSyncError
+from rollout.weight_sync.calls import DEFAULT_GROUP
 
 
 class RolloutClient:
@@ -151,16 +155,16 @@ class RolloutClient:
 
     # ---- control --------------------------------------------------------------------------
     def flush_cache(self) -> dict:
-        resp = self._http.post("/flush_cache")
+        resp = self._http.post(f"/{FlushCache.method}")
         if resp.status_code == 409:  # not flushed (requests running): a result, not an error
             return resp.json()
         return _result(resp)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        self._post("/abort_request", {"rid": rid, "abort_all": abort_all})
+        self._send(AbortRequest(rid, abort_all))
 
     def get_server_info(self) -> dict:
-        return self._get("/get_server_info")
+        return self._get(f"/{GetServerInfo.method}")
 
     def get_model_info(self) -> dict:
         return self._get("/get_model_info")
@@ -188,77 +192,75 @@ class RolloutClient:
         raise TimeoutError(f"{self.base_url} was not ready within {timeout:.0f} s (last error: {last})")
 
     # ---- weight sync (the engine's methods, over HTTP; admin key needed when one is set) -----
+    # Each builds the engine's call (rollout/weight_sync/calls.py: bad arguments raise here)
+    # and posts its fields to the route of the same name.
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = calls.DEFAULT_GROUP, backend: str = "nccl", timeout_s: float | None = None,
+        group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float | None = None,
     ) -> dict:  # fmt: skip
-        call = calls.init_weights_update_group(
+        return self._send(calls.InitWeightsUpdateGroup(
             master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
-        )
-        return self._post("/init_weights_update_group", call.kwargs)
+        ))  # fmt: skip
 
-    def destroy_weights_update_group(self, group_name: str = calls.DEFAULT_GROUP) -> dict:
-        return self._post("/destroy_weights_update_group", {"group_name": group_name})
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict:
+        return self._send(calls.DestroyWeightsUpdateGroup(group_name))
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list, shapes: list[list[int]],
-        group_name: str = calls.DEFAULT_GROUP, flush_cache: bool = True,
+        group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
         weight_version: str | None = None, load_format: str | None = None,
     ) -> dict:  # fmt: skip
         """Blocks until the server has received every broadcast: broadcast from another thread."""
-        call = calls.update_weights_from_distributed(
+        return self._send(calls.UpdateWeightsFromDistributed(
             names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
-        )
-        return self._post("/update_weights_from_distributed", call.kwargs)
+        ))  # fmt: skip
 
     def update_weights_from_tensor(
-        self, named_tensors: Any, load_format: str | None = None, flush_cache: bool = True,
-        weight_version: str | None = None,
+        self, named_tensors: calls.NamedTensors, load_format: str | None = None,
+        flush_cache: bool = True, weight_version: str | None = None,
     ) -> dict:  # fmt: skip
         """Colocated only: shares the tensors (CUDA IPC handles, or shared memory on the host)
         and sends their JSON handles; the tensors must not change until this returns."""
-        call = calls.update_weights_from_tensor(named_tensors, load_format, flush_cache, weight_version)
-        try:
-            payload = {
-                "tensor_handles": call.kwargs["handles"],
-                "flush_cache": flush_cache,
-                "weight_version": weight_version,
-            }
-            return self._post("/update_weights_from_tensor", payload)
-        finally:
-            call.close()
+        args = named_tensors, load_format, flush_cache, weight_version
+        with calls.UpdateWeightsFromTensor.shared(*args) as call:
+            return self._send(call)
 
     def update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, weight_version: str | None = None
     ) -> dict:
-        payload = {"model_path": model_path, "load_format": load_format, "weight_version": weight_version}
-        return self._post("/update_weights_from_disk", payload)
+        """The server reads only under its --allowed-weight-roots (else PermissionError)."""
+        call = calls.UpdateWeightsFromDisk(model_path, load_format, weight_version)
+        return self._send(call, omit=("allowed_roots",))  # the server's own, never the client's
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        return self._post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        return self._send(calls.GetWeightsByName(name, truncate_size))
 
     def get_weight_version(self) -> str:
-        return self._get("/get_weight_version")["weight_version"]
+        return self._get(f"/{calls.GetWeightVersion.method}")["weight_version"]
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
-        payload = {"new_version": new_version, "abort_all_requests": abort_all_requests}
-        return self._post("/update_weight_version", payload)
+        return self._send(calls.UpdateWeightVersion(new_version, abort_all_requests))
 
     def pause_generation(self, mode: str = "abort") -> dict:
-        return self._post("/pause_generation", {"mode": mode})
+        return self._send(calls.PauseGeneration(mode))
 
     def continue_generation(self) -> dict:
-        return self._post("/continue_generation")
+        return self._post(f"/{calls.ContinueGeneration.method}")
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        return self._post("/release_memory_occupation", {"tags": tags})
+        return self._send(calls.ReleaseMemoryOccupation(tags))
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        return self._post("/resume_memory_occupation", {"tags": tags})
+        return self._send(calls.ResumeMemoryOccupation(tags))
 
     # ---- plumbing -------------------------------------------------------------------------
     def _post(self, path: str, payload: dict | None = None) -> Any:
         return _result(self._http.post(path, json=payload))
+
+    def _send(self, call: ControlCall, omit: tuple[str, ...] = ()) -> Any:
+        """Posts a control call's fields to its route."""
+        body = {k: v for k, v in call.to_wire().items() if k not in omit}
+        return self._post(f"/{call.method}", body)
 
     def _get(self, path: str) -> Any:
         return _result(self._http.get(path))
@@ -295,14 +297,18 @@ def _event(line: str) -> Any:
     return item
 
 
+_KINDS = {status: kind for kind, (status, _) in HTTP.items()}
+
+
 def _exception(status: int, message: str) -> Exception:
-    if status == 502:
-        return WeightSyncError(message)
-    if status in (401, 403):
-        return PermissionError(f"HTTP {status}: {message}")
-    if 400 <= status < 500:
-        return ValueError(message)
-    return RuntimeError(f"HTTP {status}: {message}")
+    """The engine's exception for an HTTP error (the kinds of rollout/errors.py); any other 4xx
+    is a bad request, any other status a failure of the server's."""
+    if status in (401, 403):  # no key, a wrong key, or not this key's to do
+        return Forbidden(f"HTTP {status}: {message}")
+    kind = _KINDS.get(status, "invalid" if 400 <= status < 500 else "internal")
+    if kind == "internal":
+        return RuntimeError(f"HTTP {status}: {message}")
+    return EXCEPTIONS[kind](message)
 
 
 def _error(resp: httpx.Response) -> Exception:

@@ -18,7 +18,9 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
-SKINNY_GEMM_MAX_ROWS = 16  # rollout_kernels.skinny_gemm.MAX_ROWS (config does not import Triton)
+# The most rows the skinny GEMM kernel takes: rollout_kernels.skinny_gemm.MAX_ROWS, restated here
+# because config does not import Triton (a test checks the two agree).
+SKINNY_GEMM_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -28,38 +30,6 @@ class ModelOptions:
     dtype: str = _opt("auto", "weight/activation dtype: auto, bfloat16, float16, float32")
     device: str | None = _opt(None, "cuda or cpu; defaults to cuda when available")
     context_length: int | None = _opt(None, "max tokens per sequence; defaults to the model's")
-    attention_backend: str = _opt(
-        "auto",
-        "attention implementation: auto (flashinfer on a GPU where it imports and the dtype is "
-        "float16/bfloat16, else triton on a GPU, else torch), flashinfer, triton, torch",
-    )
-    decode_attention_backend: str = _opt(
-        "auto",
-        "attention implementation of decode steps: auto (where attention_backend resolves to "
-        "flashinfer: triton for decode batches of up to triton_decode_max_batch rows, flashinfer "
-        "above; else the same as attention_backend), flashinfer, triton, torch",
-    )
-    # Inside the engine on an H100 (the nano workload on Qwen3-0.6B, benchmarks/RESULTS.md) the
-    # Triton decode kernel, which plans nothing on the host per step, took 1.4 ms a step at batch
-    # 1 where FlashInfer's took 1.9 ms (2.9-3.4 against 4.2 ms at 9-32 rows); the two were
-    # about even at 33-64 rows, and FlashInfer's was faster above (9.2 against 11.7 ms at 193-256).
-    triton_decode_max_batch: int = _opt(
-        32,
-        "with decode_attention_backend auto under flashinfer: the largest decode batch (a CUDA "
-        "graph's padded size) on the Triton decode kernel; 0: none",
-    )
-    # Qwen2.5-7B on an H100 (benchmarks/RESULTS.md): one row decoded at 5.61 against 5.75 ms per
-    # token with torch's GEMM; 256 tokens for 16 prompts 3-4% and for 8 prompts 4-6% faster in
-    # output tokens/s (2026-11-25, two paired runs each). With more rows it gained nothing.
-    skinny_gemm_max_rows: int = _opt(
-        16,
-        "on the GPU backends, linear layers over at most this many tokens (small decode "
-        "batches) run the skinny GEMM kernel of kernels/ instead of torch's GEMM; 0: never",
-    )
-    disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
-    cuda_graph_max_bs: int = _opt(
-        256, "largest decode batch replayed from a CUDA graph (capped by max_running_requests)"
-    )
     load_format: str = _opt("auto", "auto: weights from the checkpoint; dummy: random weights")
     random_seed: int = _opt(0, "seed for requests that give none of their own")
     is_embedding: bool = _opt(
@@ -80,23 +50,62 @@ class ModelOptions:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.context_length is not None and self.context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                f"got {self.attention_backend!r}"
-            )
-        if self.decode_attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"decode_attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                f"got {self.decode_attention_backend!r}"
-            )
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Which kernels run where. These are requests: rollout.forward.kernel_plan resolves them
+    against the device, dtype and installed packages into the KernelPlan the engine runs."""
+
+    attention_backend: str = _opt(
+        "auto",
+        "attention implementation: auto (flashinfer on a GPU where it imports and the dtype is "
+        "float16/bfloat16, else triton on a GPU, else torch), flashinfer, triton, torch",
+    )
+    decode_attention_backend: str = _opt(
+        "auto",
+        "attention implementation of decode steps: auto (where attention_backend resolves to "
+        "flashinfer: triton for decode batches of up to triton_decode_max_batch rows, flashinfer "
+        "above; else the same as attention_backend), flashinfer, triton, torch",
+    )
+    # The Triton decode kernel plans nothing on the host per step, which wins at small batches;
+    # FlashInfer's decode catches up at a few dozen rows and wins on large batches. The default
+    # keeps Triton's on the batch sizes where it was faster inside the engine and gives
+    # FlashInfer's those from where the two were about even (benchmarks/RESULTS.md, "Which
+    # decode kernel at which batch size").
+    triton_decode_max_batch: int = _opt(
+        32,
+        "with decode_attention_backend auto under flashinfer: the largest decode batch (a CUDA "
+        "graph's padded size) on the Triton decode kernel; 0: none",
+    )
+    # A small decode batch only streams the weights, which the skinny kernel does faster than
+    # torch's GEMM up to 16 rows on Qwen2.5-7B; with more rows it gained nothing
+    # (benchmarks/RESULTS.md, ninth session).
+    skinny_gemm_max_rows: int = _opt(
+        16,
+        "on the GPU backends, linear layers over at most this many tokens (small decode "
+        "batches) run the skinny GEMM kernel of kernels/ instead of torch's GEMM; 0: never",
+    )
+    disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
+    cuda_graph_max_bs: int = _opt(
+        256, "largest decode batch replayed from a CUDA graph (capped by max_running_requests)"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("attention_backend", "decode_attention_backend"):
+            value = getattr(self, name)
+            if value not in ATTENTION_BACKENDS:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(ATTENTION_BACKENDS)}, got {value!r}"
+                )
         if self.triton_decode_max_batch < 0:
             raise ValueError(
                 f"triton_decode_max_batch must be >= 0, got {self.triton_decode_max_batch}"
             )
         if not 0 <= self.skinny_gemm_max_rows <= SKINNY_GEMM_MAX_ROWS:
             raise ValueError(
-                f"skinny_gemm_max_rows must be in 0..{SKINNY_GEMM_MAX_ROWS}, got {self.skinny_gemm_max_rows}"
+                f"skinny_gemm_max_rows must be in 0..{SKINNY_GEMM_MAX_ROWS}, "
+                f"got {self.skinny_gemm_max_rows}"
             )
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
@@ -119,7 +128,8 @@ class CacheOptions:
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
@@ -162,15 +172,16 @@ class WeightSyncOptions:
     weight_update_backup: str = _opt(
         "cpu",
         "where an update that can fail midway keeps the values it overwrites until it commits: "
-        "cpu (pinned host memory) or device (faster; needs free device memory the size of the update)",
+        "cpu (pinned host memory) or device (faster; needs free device memory the size of the "
+        "update)",
     )
     weight_sync_timeout_s: float = _opt(
         300.0, "seconds to wait for the trainer when joining an update group and for each broadcast"
     )
     enable_weights_cpu_backup: bool = _opt(
         False,
-        "keep a CPU copy of the weights while their GPU memory is released, so that resume restores "
-        "them; without it, push new weights after resume",
+        "keep a CPU copy of the weights while their GPU memory is released, so that resume "
+        "restores them; without it, push new weights after resume",
     )
 
     def __post_init__(self) -> None:
@@ -236,6 +247,7 @@ class RequestOptions:
 @dataclass(frozen=True)
 class EngineOptions:
     model: ModelOptions
+    kernels: KernelOptions = field(default_factory=KernelOptions)
     cache: CacheOptions = field(default_factory=CacheOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     weight_sync: WeightSyncOptions = field(default_factory=WeightSyncOptions)
@@ -255,6 +267,7 @@ class EngineOptions:
 
 _PARTS = {
     "model": ModelOptions,
+    "kernels": KernelOptions,
     "cache": CacheOptions,
     "scheduler": SchedulerOptions,
     "weight_sync": WeightSyncOptions,

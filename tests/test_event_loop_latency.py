@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from rollout.config import RequestOptions
 from rollout.engine.request_limits import RequestLimits
+from rollout.errors import InvalidRequest
 from rollout.server.app import create_app
 from rollout.server.json_body import LARGE_BODY_BYTES
 from rollout.server.json_render import PIECE_ITEMS, render_in_pieces
@@ -145,7 +146,8 @@ class _StandInEngine:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def async_generate(self, **kwargs) -> dict:
-        raise ValueError("the stand-in generates nothing")
+        # As the engine's own request validation does: the caller's mistake, answered 400.
+        raise InvalidRequest("the stand-in generates nothing")
 
     async def async_encode(self, prompt=None, input_ids=None, normalize=False, rid=None) -> dict:
         self.loop = asyncio.get_running_loop()

@@ -1,24 +1,30 @@
-"""The CPU-checkable parts of the GPU fast path: which attention backend runs, which batch sizes
-get CUDA graphs and how a batch pads, the KV page list handed to FlashInfer and its plans' host
-work, option checks."""
+"""The CPU-checkable parts of the GPU fast path: the kernel plan (which attention backend runs
+extend and decode, fused kernels, skinny GEMM, CUDA graphs, sampling kernel) and its place in
+get_server_info, which batch sizes get CUDA graphs and how a batch pads, the KV page list handed
+to FlashInfer and its plans' host work, option checks."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import types
 
 import pytest
 import torch
 
-from rollout.config import EngineOptions, ModelOptions
+from rollout.config import SKINNY_GEMM_MAX_ROWS, EngineOptions, KernelOptions, option_fields
 from rollout.engine.cuda_graph_runner import graph_batch_sizes, padded_size
 from rollout.forward import attention
+from rollout.forward.attention import DecodeChoice
 from rollout.forward.attention.flashinfer_backend import (
+    FlashInferAttentionBackend,
     host_indptr,
     kv_indices,
     speed_up_plans,
     tensor_aware_max,
 )
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.kernel_plan import SKINNY_MIN_WEIGHT, KernelPlan, resolve_kernel_plan
 from rollout.real_configs import REAL_CONFIGS
 
 CUDA = torch.device("cuda", 0)
@@ -35,63 +41,148 @@ def packages(monkeypatch):
     return set_importable
 
 
+def plan_for(device: torch.device, dtype: torch.dtype, **options) -> KernelPlan:
+    """The plan of an engine with these flat options on `device` in `dtype`."""
+    return resolve_kernel_plan(EngineOptions.from_kwargs(model_path="m", **options), device, dtype)
+
+
+def backend(device: torch.device, dtype: torch.dtype, name: str = "auto") -> str:
+    return plan_for(device, dtype, attention_backend=name).attention_backend
+
+
+def decode(extend: str, device: torch.device, dtype: torch.dtype, name: str, cut: int):
+    options = {"decode_attention_backend": name, "triton_decode_max_batch": cut}
+    return plan_for(device, dtype, attention_backend=extend, **options).decode_attention
+
+
 def test_auto_picks_flashinfer_on_a_gpu_in_half_precision(packages):
     packages("flashinfer", "triton")
-    assert attention.resolve_attention_backend("auto", CUDA, torch.bfloat16) == "flashinfer"
-    assert attention.resolve_attention_backend("auto", CUDA, torch.float16) == "flashinfer"
+    assert backend(CUDA, torch.bfloat16) == "flashinfer"
+    assert backend(CUDA, torch.float16) == "flashinfer"
 
 
 def test_auto_falls_back_where_flashinfer_cannot_run(packages):
     packages("flashinfer", "triton")
     # FlashInfer has no float32 kernels; the CPU has none at all.
-    assert attention.resolve_attention_backend("auto", CUDA, torch.float32) != "flashinfer"
-    assert attention.resolve_attention_backend("auto", CPU, torch.bfloat16) == "torch"
+    assert backend(CUDA, torch.float32) != "flashinfer"
+    assert backend(CPU, torch.bfloat16) == "torch"
     packages()  # nothing beyond torch imports
-    assert attention.resolve_attention_backend("auto", CUDA, torch.bfloat16) == "torch"
+    assert backend(CUDA, torch.bfloat16) == "torch"
 
 
 def test_auto_takes_triton_when_registered_and_flashinfer_missing(packages):
     packages("triton")
     expected = "triton" if "triton" in attention.BACKENDS else "torch"
-    assert attention.resolve_attention_backend("auto", CUDA, torch.bfloat16) == expected
+    assert backend(CUDA, torch.bfloat16) == expected
 
 
 def test_a_named_backend_that_cannot_run_here_says_why(packages):
     packages("flashinfer")
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        attention.resolve_attention_backend("flashinfer", CPU, torch.bfloat16)
+        backend(CPU, torch.bfloat16, "flashinfer")
     with pytest.raises(ValueError, match="got float32"):
-        attention.resolve_attention_backend("flashinfer", CUDA, torch.float32)
+        backend(CUDA, torch.float32, "flashinfer")
     packages()
     with pytest.raises(ValueError, match="flashinfer package does not import"):
-        attention.resolve_attention_backend("flashinfer", CUDA, torch.bfloat16)
-    with pytest.raises(ValueError, match="must be one of auto, torch"):
-        attention.resolve_attention_backend("fast", CUDA, torch.bfloat16)
-    assert attention.resolve_attention_backend("torch", CPU, torch.float32) == "torch"
+        backend(CUDA, torch.bfloat16, "flashinfer")
+    with pytest.raises(ValueError, match="must be one of auto, flashinfer, triton, torch"):
+        backend(CUDA, torch.bfloat16, "fast")
+    assert backend(CPU, torch.float32, "torch") == "torch"
 
 
 def test_small_decode_batches_run_on_triton_under_flashinfer_by_default(packages):
     packages("flashinfer", "triton")
-    default = ModelOptions().triton_decode_max_batch
-    choice = attention.resolve_decode_backend("auto", "flashinfer", CUDA, torch.bfloat16, default)
-    assert choice == attention.DecodeChoice("triton", default)
+    default = KernelOptions().triton_decode_max_batch
+    assert plan_for(CUDA, torch.bfloat16).decode_attention == DecodeChoice("triton", default)
     # The default cut is a CUDA-graph batch size, so eager and replayed batches route alike.
     assert default in graph_batch_sizes(256)
-    none = attention.resolve_decode_backend("auto", "flashinfer", CUDA, torch.bfloat16, 0)
-    assert none == attention.DecodeChoice("flashinfer")
+    none = decode("flashinfer", CUDA, torch.bfloat16, "auto", 0)
+    assert none == DecodeChoice("flashinfer")
     # Elsewhere decode stays on the attention backend itself, for every batch.
-    assert attention.resolve_decode_backend("auto", "triton", CUDA, torch.float32, 32) == attention.DecodeChoice("triton")
-    assert attention.resolve_decode_backend("auto", "torch", CPU, torch.float32, 32) == attention.DecodeChoice("torch")
+    assert decode("triton", CUDA, torch.float32, "auto", 32) == DecodeChoice("triton")
+    assert decode("torch", CPU, torch.float32, "auto", 32) == DecodeChoice("torch")
     # Named explicitly, it is that backend for every batch, or a clear error.
-    named = attention.resolve_decode_backend("triton", "flashinfer", CUDA, torch.bfloat16, 32)
-    assert named == attention.DecodeChoice("triton")
-    with pytest.raises(ValueError, match="decode_attention_backend='triton' cannot run here: it needs a CUDA"):
-        attention.resolve_decode_backend("triton", "torch", CPU, torch.float32, 32)
-    with pytest.raises(ValueError, match="decode_attention_backend must be one of auto, torch"):
-        attention.resolve_decode_backend("fast", "torch", CPU, torch.float32, 32)
+    named = decode("flashinfer", CUDA, torch.bfloat16, "triton", 32)
+    assert named == DecodeChoice("triton")
+    with pytest.raises(ValueError, match="decode_attention_backend='triton' cannot run here: it"):
+        decode("torch", CPU, torch.float32, "triton", 32)
     packages("flashinfer")  # without triton, auto keeps decode on flashinfer
-    fallback = attention.resolve_decode_backend("auto", "flashinfer", CUDA, torch.bfloat16, 32)
-    assert fallback == attention.DecodeChoice("flashinfer")
+    assert decode("flashinfer", CUDA, torch.bfloat16, "auto", 32) == DecodeChoice("flashinfer")
+
+
+def test_the_gpu_backends_bring_the_fused_kernels_and_torch_stays_the_reference(packages):
+    packages("flashinfer", "triton")
+    gpu = plan_for(CUDA, torch.bfloat16, skinny_gemm_max_rows=8)
+    assert gpu.fused_kernels and gpu.sampling_kernel
+    assert (gpu.skinny_gemm_max_rows, gpu.skinny_gemm_min_weight) == (8, SKINNY_MIN_WEIGHT)
+    default = KernelOptions().skinny_gemm_max_rows
+    assert plan_for(CUDA, torch.bfloat16).skinny_gemm_max_rows == default
+    assert plan_for(CUDA, torch.bfloat16, skinny_gemm_max_rows=0).skinny_gemm_max_rows == 0
+    # The torch backend runs no Triton kernel at all, whatever the skinny option says.
+    torch_on_gpu = plan_for(CUDA, torch.bfloat16, attention_backend="torch")
+    for ref in (torch_on_gpu, plan_for(CPU, torch.float32)):
+        assert not ref.fused_kernels and not ref.sampling_kernel
+        assert ref.skinny_gemm_max_rows == 0
+
+
+def test_sampling_takes_the_kernel_from_a_few_dozen_filtered_rows_or_unfiltered(packages):
+    packages("flashinfer", "triton")
+    gpu, cpu = plan_for(CUDA, torch.bfloat16), plan_for(CPU, torch.float32)
+    rows = gpu.sampling_kernel_min_rows
+    assert rows == 32
+    assert gpu.samples_with_kernel(1, filtered=False)
+    assert not gpu.samples_with_kernel(rows - 1, filtered=True)
+    assert gpu.samples_with_kernel(rows, filtered=True)
+    assert not cpu.samples_with_kernel(1, filtered=False)
+    assert not cpu.samples_with_kernel(rows, filtered=True)
+
+
+def test_cuda_graphs_where_the_backends_capture_up_to_the_smallest_bound(packages):
+    packages("flashinfer", "triton")
+    plan = plan_for(CUDA, torch.bfloat16)
+    assert plan.cuda_graphs and plan.cuda_graph_max_bs == 256
+    assert plan_for(CUDA, torch.bfloat16, cuda_graph_max_bs=64).cuda_graph_max_bs == 64
+    # Capped by the running requests, and by the largest batch worth a graph.
+    assert plan_for(CUDA, torch.bfloat16, max_running_requests=24).cuda_graph_max_bs == 24
+    large = plan_for(CUDA, torch.bfloat16, cuda_graph_max_bs=512, max_running_requests=1024)
+    assert large.cuda_graph_max_bs == 256
+    off = plan_for(CUDA, torch.bfloat16, disable_cuda_graph=True)
+    assert (off.cuda_graphs, off.cuda_graph_max_bs) == (False, 0)
+    assert not plan_for(CPU, torch.float32).cuda_graphs
+    assert not plan_for(CUDA, torch.bfloat16, attention_backend="torch").cuda_graphs
+    # torch for extend with triton's decode on every batch captures; with a cut it cannot, as
+    # the large decode batches would be torch's.
+    whole = {"attention_backend": "torch", "decode_attention_backend": "triton"}
+    assert plan_for(CUDA, torch.float32, **whole).cuda_graphs
+    assert attention.supports_cuda_graph("torch", DecodeChoice("triton"))
+    assert not attention.supports_cuda_graph("torch", DecodeChoice("triton", 8))
+    assert attention.supports_cuda_graph("flashinfer", DecodeChoice("triton", 8))
+
+
+def test_the_registry_says_what_each_backend_class_says_about_graphs():
+    from rollout.forward.attention.torch_backend import TorchAttentionBackend
+    from rollout.forward.attention.triton_backend import TritonAttentionBackend
+
+    classes = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
+    classes["flashinfer"] = FlashInferAttentionBackend  # builds only where flashinfer imports
+    for name, cls in classes.items():
+        assert attention.BACKENDS[name].cuda_graph is cls.supports_cuda_graph, name
+
+
+def test_plan_reads_as_one_line_and_a_json_dict(packages):
+    packages("flashinfer", "triton")
+    plan = plan_for(CUDA, torch.bfloat16)
+    assert json.loads(json.dumps(plan.as_dict())) == {
+        "attention_backend": "flashinfer", "decode_backend": "triton", "decode_max_batch": 32,
+        "fused_kernels": True, "skinny_gemm_max_rows": 16,
+        "skinny_gemm_min_weight": SKINNY_MIN_WEIGHT,
+        "cuda_graphs": True, "cuda_graph_max_bs": 256, "sampling_kernel": True,
+        "sampling_kernel_min_rows": 32,
+    }  # fmt: skip
+    assert str(plan) == (
+        "attention flashinfer, decode triton up to batch 32, fused kernels on, skinny GEMM up to "
+        "16 rows, CUDA graphs up to batch 256, sampling kernel"
+    )
 
 
 class _Recorder(attention.AttentionBackend):
@@ -152,22 +243,39 @@ def test_hybrid_backend_routes_decode_by_batch_size():
 
 
 def test_options_validate_backend_and_graph_size():
-    assert ModelOptions().attention_backend == "auto"
-    assert ModelOptions().disable_cuda_graph is False
+    assert KernelOptions().attention_backend == "auto"
+    assert KernelOptions().disable_cuda_graph is False
     with pytest.raises(ValueError, match="attention_backend must be one of auto, flashinfer"):
-        ModelOptions(attention_backend="flash")
-    assert ModelOptions().decode_attention_backend == "auto"
+        KernelOptions(attention_backend="flash")
+    assert KernelOptions().decode_attention_backend == "auto"
     with pytest.raises(ValueError, match="decode_attention_backend must be one of auto, flashinfer"):
-        ModelOptions(decode_attention_backend="fi")
-    assert ModelOptions().skinny_gemm_max_rows == 16  # decode batches of up to 16 rows
+        KernelOptions(decode_attention_backend="fi")
+    assert KernelOptions().skinny_gemm_max_rows == 16  # decode batches of up to 16 rows
     with pytest.raises(ValueError, match="skinny_gemm_max_rows must be in 0..16, got 17"):
-        ModelOptions(skinny_gemm_max_rows=17)
+        KernelOptions(skinny_gemm_max_rows=17)
     with pytest.raises(ValueError, match="triton_decode_max_batch must be >= 0, got -1"):
-        ModelOptions(triton_decode_max_batch=-1)
+        KernelOptions(triton_decode_max_batch=-1)
     with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 1, got 0"):
-        ModelOptions(cuda_graph_max_bs=0)
+        KernelOptions(cuda_graph_max_bs=0)
     opts = EngineOptions.from_kwargs(model_path="m", disable_cuda_graph=True, cuda_graph_max_bs=64)
-    assert opts.model.disable_cuda_graph and opts.model.cuda_graph_max_bs == 64
+    assert opts.kernels.disable_cuda_graph and opts.kernels.cuda_graph_max_bs == 64
+    # The flat names (engine keywords and CLI flags) are unchanged by the grouping.
+    flat = [f.name for f in option_fields()]
+    routing = [f.name for f in dataclasses.fields(KernelOptions)]
+    assert routing == [
+        "attention_backend", "decode_attention_backend", "triton_decode_max_batch",
+        "skinny_gemm_max_rows", "disable_cuda_graph", "cuda_graph_max_bs",
+    ]  # fmt: skip
+    assert set(routing) <= set(flat) and len(flat) == len(set(flat))
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineOptions.from_kwargs(model_path="m", attention_backend="flash")
+
+
+def test_the_skinny_row_bound_is_the_kernels_own():
+    pytest.importorskip("triton")
+    from rollout_kernels.skinny_gemm import MAX_ROWS
+
+    assert SKINNY_GEMM_MAX_ROWS == MAX_ROWS
 
 
 def test_graph_batch_sizes():
@@ -271,3 +379,18 @@ def test_plans_take_the_max_of_a_length_tensor_without_walking_it(monkeypatch):
     assert tensor_aware_max(3, 8, 5) == 8
     assert tensor_aware_max([4, 2], key=lambda x: -x) == 2
     assert tensor_aware_max([], default=-1) == -1
+
+
+def test_server_info_reports_the_plan_the_engine_runs(tiny_qwen3):
+    from rollout import RolloutEngine
+
+    # Flat keywords as ever; on the CPU the torch reference runs whatever else was asked for.
+    options = {"skinny_gemm_max_rows": 4, "cuda_graph_max_bs": 8, "triton_decode_max_batch": 0}
+    with RolloutEngine(tiny_qwen3, dtype="float32", device="cpu", **options) as engine:
+        info = engine.get_server_info()
+        assert engine.options.kernels == KernelOptions(**options)
+    expected = resolve_kernel_plan(engine.options, CPU, torch.float32)
+    assert info["kernel_plan"] == expected.as_dict()
+    assert info["kernel_plan"]["attention_backend"] == "torch"
+    assert not info["kernel_plan"]["cuda_graphs"] and not info["kernel_plan"]["fused_kernels"]
+    assert (info["attention_backend"], info["decode_attention"]) == ("torch", "torch")

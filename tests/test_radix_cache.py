@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from rollout.engine.radix_cache import RadixCache
+from rollout.engine.radix_cache import RadixCache, TreeNode
 from rollout.forward.kv_pool import SlotAllocator
 
 NUM_SLOTS = 64
@@ -25,10 +25,26 @@ def tree_slots(cache: RadixCache) -> list[int]:
     return out
 
 
-def check_whole(allocator: SlotAllocator, cache: RadixCache, live: int = 0) -> None:
+def pinned_slots(cache: RadixCache, locked: list[TreeNode]) -> int:
+    """Slots of the nodes on the paths from `locked` (the nodes requests hold) to the root."""
+    pinned: dict[int, TreeNode] = {}
+    for node in locked:
+        while node is not cache.root:
+            pinned[id(node)] = node
+            node = node.parent
+    return sum(len(n.value) for n in pinned.values())
+
+
+def check_whole(
+    allocator: SlotAllocator, cache: RadixCache, live: int = 0, locked: list[TreeNode] = ()
+) -> None:
+    """The pool is whole: every slot is free, in the tree or `live` (a request's own); the tree
+    holds what its sizes say, and exactly the paths of the `locked` nodes are protected."""
     assert allocator.available() + cache.total_size() + live == allocator.num_slots
-    assert len(tree_slots(cache)) == cache.total_size()
-    assert cache.evictable_size() >= 0 and cache.protected_size() >= 0
+    held = len(tree_slots(cache))
+    protected = pinned_slots(cache, list(locked))
+    assert cache.protected_size() == protected
+    assert cache.evictable_size() == held - protected
 
 
 def finish(allocator: SlotAllocator, cache: RadixCache, tokens: list[int]) -> torch.Tensor:
@@ -131,6 +147,7 @@ def test_lock_protects_ancestors_after_split() -> None:
     assert cache.protected_size() == 4 and cache.evictable_size() == 1
     cache.match_prefix([1, 2, 3])  # splits the locked node: sizes must not change
     assert cache.protected_size() == 4 and cache.evictable_size() == 1
+    check_whole(allocator, cache, locked=[node])
     assert cache.evict(10) == 1
     assert cache.match_prefix([1, 2, 3, 4]).slots.numel() == 4
     cache.unlock(node)
@@ -183,6 +200,7 @@ def test_cache_unfinished_returns_tree_slots_and_moves_lock() -> None:
     assert res.slots.tolist() == other.tolist() + [own[2].item()]
     assert allocator.available() == NUM_SLOTS - 4 - 4 + 2  # own[0:2] were duplicates
     assert cache.protected_size() == 5 and cache.evictable_size() == 0
+    check_whole(allocator, cache, live=1, locked=[res.node])
     assert cache.evict(100) == 0
     slots = torch.cat([res.slots, own[3:]])
     cache.cache_finished(tokens, slots, res.node, 5)
@@ -235,7 +253,8 @@ class Sim:
         return sum(len(r["slots"]) - r["prefix_len"] for r in self.live)
 
     def check(self) -> None:
-        check_whole(self.allocator, self.cache, live=self.owned())
+        locked = [r["node"] for r in self.live]
+        check_whole(self.allocator, self.cache, live=self.owned(), locked=locked)
         held = tree_slots(self.cache) + [
             s for r in self.live for s in r["slots"][r["prefix_len"] :].tolist()
         ]

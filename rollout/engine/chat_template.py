@@ -16,6 +16,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from rollout.engine.request_limits import RequestLimits, check_unicode_in
+from rollout.errors import InvalidRequest, InvalidRequestType
 
 USER_TEMPLATE_KEY = "chat_template"
 # apply_chat_template's own parameters that the template sees as variables.
@@ -69,34 +70,34 @@ def render_chat(
     except TemplateTimeout:
         raise
     except Exception as e:  # noqa: BLE001 - a template error is the caller's input problem
-        raise ValueError(f"the chat template failed on these messages: {e}") from e
+        raise InvalidRequest(f"the chat template failed on these messages: {e}") from e
     if not isinstance(text, str):
-        raise ValueError(f"the chat template rendered a {type(text).__name__}, not text")
+        raise InvalidRequest(f"the chat template rendered a {type(text).__name__}, not text")
     return text
 
 
 def check_template_kwargs(tokenizer: Any, limits: RequestLimits, kwargs: dict[str, Any]) -> None:
     """Only template variables; a template of the caller's own only where the options allow it."""
     if not all(isinstance(k, str) for k in kwargs):
-        raise TypeError("chat_template_kwargs keys must be strings")
+        raise InvalidRequestType("chat_template_kwargs keys must be strings")
     check_unicode_in(kwargs, "chat_template_kwargs")
     reserved = sorted(set(kwargs) & _call_keys(tokenizer))
     if reserved:
         hint = ""
         if "continue_final_message" in reserved:
             hint = " (continue_final_message is a request field of its own)"
-        raise ValueError(
+        raise InvalidRequest(
             f"chat_template_kwargs may hold template variables only, not {', '.join(reserved)}: "
             f"the server decides how the template is called{hint}"
         )
     if USER_TEMPLATE_KEY in kwargs and not limits.options.allow_user_chat_template:
-        raise ValueError(
+        raise InvalidRequest(
             "chat_template_kwargs.chat_template (a template of the caller's own) is not accepted "
             "by this server; the model's own template renders the messages (the server option "
             "allow_user_chat_template accepts callers' templates)"
         )
     if USER_TEMPLATE_KEY in kwargs and not isinstance(kwargs[USER_TEMPLATE_KEY], str):
-        raise TypeError("chat_template_kwargs.chat_template must be a string (a Jinja template)")
+        raise InvalidRequestType("chat_template_kwargs.chat_template must be a string (a Jinja template)")
 
 
 def _call_keys(tokenizer: Any) -> frozenset[str]:

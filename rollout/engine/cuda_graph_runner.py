@@ -28,9 +28,6 @@ from rollout.forward.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
 
-# Batches larger than this decode eagerly: their launch overhead is small next to their work.
-MAX_GRAPH_BATCH_SIZE = 256
-
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
     """The batch sizes to capture: 1, 2, 4, 8, then every multiple of 16, up to and including
@@ -60,6 +57,8 @@ class CudaGraphRunner:
         max_batch_size: int,
         device: torch.device,
     ) -> None:
+        """Captures graphs for decode batches of up to max_batch_size rows (the KernelPlan's
+        cuda_graph_max_bs); larger batches are not this runner's (can_replay says no)."""
         if not backend.supports_cuda_graph:
             raise ValueError(f"{type(backend).__name__} cannot run inside a CUDA graph")
         self.model = model
@@ -67,7 +66,7 @@ class CudaGraphRunner:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.device = device
-        self.sizes = graph_batch_sizes(min(max_batch_size, MAX_GRAPH_BATCH_SIZE))
+        self.sizes = graph_batch_sizes(max_batch_size)
         n = self.sizes[-1]
         # Static inputs: every graph reads its first rows. Zeros are valid padding everywhere
         # (token 0, position 0, KV slot 0).

@@ -101,10 +101,12 @@ class Detokenizer:
 def run_detokenizer_process(tokenizer_path: str, addrs: Any, parent_pid: int) -> None:
     """Process entry: forwards every message from the scheduler to the tokenizer manager,
     filling in text on the way. Exits on the scheduler's shutdown reply or its failure."""
+    import pickle
+
     import zmq
     from transformers import AutoTokenizer
 
-    from rollout.engine.messages import ControlReply, ReqOutputBatch, SchedulerFailed
+    from rollout.engine.messages import ControlReply, ReqOutputBatch, SchedulerFailed, is_control
     from rollout.engine.processes import watch_parent
 
     watch_parent(parent_pid)
@@ -120,14 +122,18 @@ def run_detokenizer_process(tokenizer_path: str, addrs: Any, parent_pid: int) ->
         send.send_pyobj(SchedulerFailed(f"detokenizer failed to start: {e!r}"))
         return
     while True:
-        msg = recv.recv_pyobj()
+        frames = recv.recv_multipart()
+        if is_control(frames):  # a control reply: plain data, passed on as it is
+            send.send_multipart(frames)
+            if ControlReply.from_frames(frames).last:
+                break
+            continue
+        msg = pickle.loads(frames[0])
         if isinstance(msg, ReqOutputBatch):
             for out in msg.outputs:
                 detok.process_or_fail(out)
         send.send_pyobj(msg)
-        if isinstance(msg, SchedulerFailed) or (
-            isinstance(msg, ControlReply) and msg.result == "shutdown"
-        ):
+        if isinstance(msg, SchedulerFailed):
             break
     send.close(linger=1000)
     recv.close(linger=0)

@@ -23,6 +23,7 @@ from rollout.engine.request_validation import (
     encode_prompt,
     validate_prompt_length,
 )
+from rollout.errors import InvalidRequest
 
 Finish = Callable[[list[dict]], Any]
 
@@ -36,7 +37,7 @@ def is_classifier_checkpoint(model_path: str) -> bool:
 def check_embedding_mode(model_path: str, is_embedding: bool) -> None:
     """A classifier has no LM head: it can only be served for encode/classify."""
     if is_classifier_checkpoint(model_path) and not is_embedding:
-        raise ValueError(
+        raise InvalidRequest(
             f"{model_path} is a sequence-classification checkpoint (a score head, no LM head): "
             "start the engine with is_embedding=True to serve it through encode/classify"
         )
@@ -45,13 +46,13 @@ def check_embedding_mode(model_path: str, is_embedding: bool) -> None:
 def _chat_ids(tokenizer: Any, limits: RequestLimits, messages: Any) -> tuple[list[list[int]], bool]:
     """One conversation (a list of {"role", "content"}) or a list of them -> token ids each."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} dicts, or a list of such lists")
+        raise InvalidRequest("messages must be a non-empty list of {role, content} dicts, or a list of such lists")
     batched = isinstance(messages[0], list)
     convs = messages if batched else [messages]
     ids = []
     for conv in convs:
         if not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-            raise ValueError("each message must be a dict with role and content")
+            raise InvalidRequest("each message must be a dict with role and content")
         ids.append(chat_ids(tokenizer, limits, conv, add_generation_prompt=False))
     return ids, batched
 
@@ -64,7 +65,7 @@ def embed_inputs(
     ids or of lists) or messages. The result is one dict per prompt; a single prompt, one dict."""
     if messages is not None:
         if prompt is not None or input_ids is not None:
-            raise ValueError("give exactly one of prompt, input_ids or messages")
+            raise InvalidRequest("give exactly one of prompt, input_ids or messages")
         input_ids, batched = _chat_ids(tokenizer, limits, messages)
         if not batched:
             input_ids = input_ids[0]
@@ -88,11 +89,11 @@ def score_inputs(
     item: the probability of each label token at the position after query + item (item +
     query with item_first); with apply_softmax, renormalised over the label tokens."""
     if not _is_ids(label_token_ids) or not label_token_ids:
-        raise ValueError("label_token_ids must be a non-empty list of token ids")
+        raise InvalidRequest("label_token_ids must be a non-empty list of token ids")
     if isinstance(query, str):
         item_list = [items] if isinstance(items, str) else items
         if not isinstance(item_list, list) or not item_list or not all(isinstance(i, str) for i in item_list):
-            raise ValueError("with a text query, items must be a str or a non-empty list of str")
+            raise InvalidRequest("with a text query, items must be a str or a non-empty list of str")
         _check_count(item_list)
         limits.check_text(query, "the query")
         ids = []
@@ -103,7 +104,7 @@ def score_inputs(
     elif _is_ids(query) and query:
         item_list = [items] if _is_ids(items) else items
         if not isinstance(item_list, list) or not item_list or not all(_is_ids(i) for i in item_list):
-            raise ValueError("with a token-id query, items must be a list of ids or a list of such lists")
+            raise InvalidRequest("with a token-id query, items must be a list of ids or a list of such lists")
         _check_count(item_list)
         ids = []
         for item in item_list:
@@ -111,7 +112,7 @@ def score_inputs(
             validate_prompt_length(len(query) + len(item), limits.context_length)
             ids.append(list(item) + query if item_first else query + list(item))
     else:
-        raise ValueError("query must be a non-empty str or a non-empty list of token ids")
+        raise InvalidRequest("query must be a non-empty str or a non-empty list of token ids")
     params = {"max_new_tokens": 1, "temperature": 0.0}
     inputs, _ = build_inputs(
         tokenizer, limits, None, ids, params, None, return_logprob=True,
@@ -126,7 +127,7 @@ def score_inputs(
 
 def _check_count(items: list) -> None:
     if len(items) > MAX_SAMPLES_PER_CALL:
-        raise ValueError(
+        raise InvalidRequest(
             f"score takes at most {MAX_SAMPLES_PER_CALL} items per call, got {len(items)}"
         )
 

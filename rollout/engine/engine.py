@@ -11,20 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rollout.config import EngineOptions
-from rollout.engine import embedding_requests
+from rollout.control import ControlCall
+from rollout.engine import embedding_requests, loop_streams
+from rollout.engine.control_calls import FlushCache, GetServerInfo
+from rollout.engine.messages import AbortRequest
 from rollout.engine.processes import Addresses, start_process, stop_process
 from rollout.engine.request_limits import RequestLimits
 from rollout.engine.request_validation import GenerateInput, build_inputs
+from rollout.errors import InvalidRequest
 from rollout.weight_sync import calls
+from rollout.weight_sync.calls import DEFAULT_GROUP
 
-_END = object()
 # HF fast tokenizers release the GIL while they encode: a few threads tokenize in parallel.
 TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
 
@@ -154,7 +157,7 @@ class RolloutEngine:
     def _inputs(self, *args: Any, **kw: Any) -> tuple[list[GenerateInput], bool]:
         self._check_open()
         if self.options.model.is_embedding:
-            raise ValueError(
+            raise InvalidRequest(
                 "this engine serves embeddings (is_embedding=True): use encode, classify or score, "
                 "or start it without is_embedding to generate"
             )
@@ -199,13 +202,18 @@ class RolloutEngine:
     def _embed(self, *args: Any) -> tuple[list[GenerateInput], embedding_requests.Finish]:
         self._check_open()
         if not self.options.model.is_embedding:
-            raise ValueError("encode and classify need an engine started with is_embedding=True")
+            raise InvalidRequest(
+                "encode and classify need an engine started with is_embedding=True"
+            )
         return embedding_requests.embed_inputs(self.tokenizer, self.limits, *args)
 
     def _score(self, *args: Any) -> tuple[list[GenerateInput], embedding_requests.Finish]:
         self._check_open()
         if self.is_classifier:
-            raise ValueError("score needs a causal LM (label-token probabilities); this checkpoint is a classifier")
+            raise InvalidRequest(
+                "score needs a causal LM (label-token probabilities); this checkpoint is a "
+                "classifier"
+            )
         return embedding_requests.score_inputs(self.tokenizer, self.limits, *args)
 
     def _run(self, built: tuple[list[GenerateInput], embedding_requests.Finish]) -> Any:
@@ -233,76 +241,51 @@ class RolloutEngine:
             raise
 
     def _stream_sync(self, inp: GenerateInput) -> Iterator[dict]:
-        q: queue.Queue = queue.Queue()
-        fut = asyncio.run_coroutine_threadsafe(self._pump(inp, q.put), self._loop)
-        return self._drain_sync(q, fut)
+        return loop_streams.to_thread(self._loop, lambda: self._tm.generate(inp))
 
-    @staticmethod
-    def _drain_sync(q: queue.Queue, fut: Future) -> Iterator[dict]:
-        try:
-            while (item := q.get()) is not _END:
-                yield item
-            fut.result()  # re-raises the request's error, if any
-        finally:
-            fut.cancel()  # the consumer stopped early: abort the request
+    def _stream_async(self, inp: GenerateInput) -> AsyncIterator[dict]:
+        return loop_streams.to_loop(self._loop, lambda: self._tm.generate(inp))
 
-    async def _stream_async(self, inp: GenerateInput) -> AsyncIterator[dict]:
-        caller = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        put = lambda item: caller.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
-        fut = asyncio.run_coroutine_threadsafe(self._pump(inp, put), self._loop)
-        try:
-            while (item := await q.get()) is not _END:
-                yield item
-            await asyncio.wrap_future(fut)
-        finally:
-            fut.cancel()
-
-    async def _pump(self, inp: GenerateInput, put: Any) -> None:
-        try:
-            async for out in self._tm.generate(inp):
-                put(out)
-        finally:
-            put(_END)
-
-    # ---- weight sync (see rollout/weight_sync/) --------------------------------------------
-    # Each returns the scheduler's {"success": True, "message": ..., ...}; bad arguments raise
-    # TypeError/ValueError, an update that doesn't fit the model ValueError, a failed transfer
-    # WeightSyncError; a failed update leaves the previous weights and version serving.
+    # ---- weight sync (each builds its call of rollout/weight_sync/calls.py) -----------------
+    # Each returns the scheduler's {"success": True, "message": ..., ...}; bad arguments, or an
+    # update that doesn't fit the model, raise TypeError/ValueError, a file outside
+    # allowed_roots PermissionError, a failed transfer WeightSyncError (rollout/errors.py); a
+    # failed update leaves the previous weights and version serving.
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = calls.DEFAULT_GROUP, backend: str = "nccl", timeout_s: float | None = None,
+        group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float | None = None,
     ) -> dict:  # fmt: skip
         """Joins the trainer's weight update group (the trainer is rank 0 and hosts it) as rank
         rank_offset; returns once all ranks joined, or fails after timeout_s."""
-        return self._weight_call(calls.init_weights_update_group(
+        return self.control(calls.InitWeightsUpdateGroup(
             master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
         ))  # fmt: skip
 
-    def destroy_weights_update_group(self, group_name: str = calls.DEFAULT_GROUP) -> dict:
-        return self._weight_call(calls.destroy_weights_update_group(group_name))
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict:
+        return self.control(calls.DestroyWeightsUpdateGroup(group_name))
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list, shapes: list[list[int]],
-        group_name: str = calls.DEFAULT_GROUP, flush_cache: bool = True,
+        group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
         weight_version: str | None = None, load_format: str | None = None,
     ) -> dict:  # fmt: skip
         """Receives these tensors from rank 0's broadcasts (see distributed_source for the
         order) and loads them all or none. Blocks until done: broadcast from another thread."""
-        return self._weight_call(calls.update_weights_from_distributed(
+        return self.control(calls.UpdateWeightsFromDistributed(
             names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
         ))  # fmt: skip
 
     def update_weights_from_tensor(
-        self, named_tensors: Any, load_format: str | None = None, flush_cache: bool = True,
-        weight_version: str | None = None,
+        self, named_tensors: calls.NamedTensors, load_format: str | None = None,
+        flush_cache: bool = True, weight_version: str | None = None,
     ) -> dict:  # fmt: skip
         """Loads tensors of this process (list of (name, tensor) or dict; FlatBucket(s) with
         load_format="flattened_bucket"), or TensorHandles, all or none. Only CUDA IPC handles
         or shared-memory names reach the scheduler; the tensors must not change until this returns."""
-        return self._weight_call(
-            calls.update_weights_from_tensor(named_tensors, load_format, flush_cache, weight_version)
-        )
+        self._check_open()
+        args = named_tensors, load_format, flush_cache, weight_version
+        with calls.UpdateWeightsFromTensor.shared(*args) as call:
+            return self.control(call)
 
     def update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, weight_version: str | None = None,
@@ -310,58 +293,54 @@ class RolloutEngine:
     ) -> dict:  # fmt: skip
         """Loads a checkpoint directory of the same network (config checked), all or none.
         allowed_roots: every file read must resolve under one of these (else PermissionError)."""
-        return self._weight_call(
-            calls.update_weights_from_disk(model_path, load_format, weight_version, allowed_roots)
+        return self.control(
+            calls.UpdateWeightsFromDisk(model_path, load_format, weight_version, allowed_roots)
         )
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first truncate_size rows of a weight (HF name), as float lists."""
-        return self._weight_call(calls.get_weights_by_name(name, truncate_size))["values"]
+        return self.control(calls.GetWeightsByName(name, truncate_size))["values"]
 
     def get_weight_version(self) -> str:
-        return self._weight_call(calls.WeightCall("get_weight_version", {}))["weight_version"]
+        return self.control(calls.GetWeightVersion())["weight_version"]
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
         """Publishes new_version (staged updates commit under it). Requests in flight go on
         (and report the change) unless abort_all_requests."""
-        return self._weight_call(calls.update_weight_version(new_version, abort_all_requests))
+        return self.control(calls.UpdateWeightVersion(new_version, abort_all_requests))
 
     def pause_generation(self, mode: str = "abort") -> dict:
         """Stops stepping until continue_generation. abort: in-flight requests end (finish_reason
         abort); retract: they go back to the queue and re-prefill later; in_place: they keep
         their KV. New requests wait. Updates while paused apply together on continue."""
-        return self._weight_call(calls.pause_generation(mode))
+        return self.control(calls.PauseGeneration(mode))
 
     def continue_generation(self) -> dict:
-        return self._weight_call(calls.WeightCall("continue_generation", {}))
+        return self.control(calls.ContinueGeneration())
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         """Gives back the memory of tags (weights, kv_cache, cuda_graph; None: all). Requests in
         flight are retracted and continue after resume; new ones wait."""
-        return self._weight_call(calls.release_memory_occupation(tags))
+        return self.control(calls.ReleaseMemoryOccupation(tags))
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        return self._weight_call(calls.resume_memory_occupation(tags))
-
-    def _weight_call(self, call: calls.WeightCall) -> dict:
-        self._check_open()
-        try:
-            return calls.unwrap(self._call(self._tm.control(call.method, **call.kwargs)))
-        finally:
-            call.close()
+        return self.control(calls.ResumeMemoryOccupation(tags))
 
     # ---- control --------------------------------------------------------------------------
     def flush_cache(self) -> dict:
-        self._check_open()
-        return self._call(self._tm.control("flush_cache"))
+        return self.control(FlushCache())  # success False while requests run: nothing flushed
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        self._check_open()
-        self._call(self._tm.abort(rid, abort_all))
+        self.control(AbortRequest(rid, abort_all))
 
     def get_server_info(self) -> dict:
+        return self.control(GetServerInfo())
+
+    def control(self, call: ControlCall) -> Any:
+        """Runs `call` in the scheduler, in order with the requests before it: its result, or
+        its failure raised as the exception of its kind (see rollout/errors.py)."""
         self._check_open()
-        return self._call(self._tm.control("get_server_info"))
+        return self._call(self._tm.control(call))
 
     def is_alive(self) -> bool:
         """True while the engine is open and its subprocesses serve (dead_reason is None)."""

@@ -1,17 +1,25 @@
-"""The messages that cross process boundaries (pickled over ZMQ between our own processes).
+"""The messages that cross process boundaries over ZMQ between our own processes.
 
-tokenizer manager -> scheduler:   TokenizedRequest, AbortRequest, ControlRequest
+tokenizer manager -> scheduler:   TokenizedRequest, ControlRequest (AbortRequest among its calls)
 scheduler -> detokenizer:         ReqOutputBatch, ControlReply, SchedulerReady, SchedulerFailed
 detokenizer -> tokenizer manager: the same, with `ReqOutput.text` filled in
+
+Control traffic is plain data: a ControlRequest or ControlReply is two frames, CONTROL_TAG and
+its JSON. Everything else is one pickled frame.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from rollout.control import ControlCall, check_bool
 from rollout.engine.sampling_params import SamplingParams
+from rollout.errors import ControlError, InvalidRequest, InvalidRequestType
+
+CONTROL_TAG = b"control"
 
 
 @dataclass
@@ -31,26 +39,73 @@ class TokenizedRequest:
     normalize: bool = False  # embed: scale the embedding to unit L2 norm
 
 
-@dataclass
-class AbortRequest:
+@dataclass(frozen=True)
+class AbortRequest(ControlCall):
+    """Ends one request (by rid), or every request; sent without waiting for a reply."""
+
+    method: ClassVar[str] = "abort_request"
     rid: str | None = None
     abort_all: bool = False
 
+    def __post_init__(self) -> None:
+        if self.rid is not None and not isinstance(self.rid, str):
+            raise InvalidRequestType(f"rid must be a string, got {type(self.rid).__name__}")
+        if not check_bool(self.abort_all, "abort_all") and self.rid is None:
+            raise InvalidRequest("give rid, or abort_all: true")
 
-@dataclass
+
+@dataclass(frozen=True)
 class ControlRequest:
-    """A call answered in order with the requests around it (flush_cache, get_server_info, ...)."""
+    """A call answered in order with the requests around it; `call_id` None: no reply."""
 
-    call_id: int
-    method: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    call_id: int | None
+    call: ControlCall
+
+    def to_frames(self) -> list[bytes]:
+        wire = {"id": self.call_id, "call": self.call.method, "args": self.call.to_wire()}
+        return [CONTROL_TAG, json.dumps(wire).encode()]
+
+    @classmethod
+    def from_frames(cls, frames: list[bytes], calls: dict[str, type[ControlCall]]) -> ControlRequest:
+        """`calls`: each call type by name (see engine/control_calls.CALLS)."""
+        wire = json.loads(frames[1])
+        return cls(wire["id"], calls[wire["call"]](**wire["args"]))
+
+    @staticmethod
+    def id_of(frames: list[bytes]) -> int | None:
+        """The call id of a request that `from_frames` could not read (None: none to reply to)."""
+        try:
+            return json.loads(frames[1])["id"]
+        except (ValueError, KeyError, TypeError):
+            return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ControlReply:
+    """The result of call `call_id` (plain JSON data), or its error. `last`: the scheduler's
+    reply to shutdown; nothing follows it."""
+
     call_id: int
     result: Any = None
-    error: str | None = None
+    error: ControlError | None = None
+    last: bool = False
+
+    def to_frames(self) -> list[bytes]:
+        wire: dict[str, Any] = {"id": self.call_id, "result": self.result, "last": self.last}
+        if self.error is not None:
+            wire["error"] = self.error.to_wire()
+        return [CONTROL_TAG, json.dumps(wire).encode()]
+
+    @classmethod
+    def from_frames(cls, frames: list[bytes]) -> ControlReply:
+        wire = json.loads(frames[1])
+        error = ControlError(**wire["error"]) if "error" in wire else None
+        return cls(wire["id"], wire["result"], error, wire["last"])
+
+
+def is_control(frames: list[bytes]) -> bool:
+    """Whether a received message is control traffic (JSON), not a pickled message."""
+    return len(frames) == 2 and frames[0] == CONTROL_TAG
 
 
 @dataclass

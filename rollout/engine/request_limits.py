@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from rollout.config import RequestOptions
+from rollout.errors import InvalidRequest
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class RequestLimits:
             self._too_long(what, size, exact=True)
 
     def _too_long(self, what: str, size: int, exact: bool) -> NoReturn:
-        raise ValueError(
+        raise InvalidRequest(
             f"{what} has {'' if exact else 'at least '}{size} bytes of UTF-8 text, over the "
             f"limit of {self.max_prompt_bytes} (context_length {self.context_length} x "
             f"max_bytes_per_token {self.options.max_bytes_per_token}): no longer text fits "
@@ -49,18 +50,18 @@ class RequestLimits:
 
     def check_n(self, n: int) -> None:
         if n > self.options.max_n:
-            raise ValueError(f"n must be <= {self.options.max_n} (option max_n), got {n}")
+            raise InvalidRequest(f"n must be <= {self.options.max_n} (option max_n), got {n}")
 
     def check_top_logprobs_num(self, top: int) -> None:
         if top > self.options.max_top_logprobs_num:
-            raise ValueError(
+            raise InvalidRequest(
                 f"top_logprobs_num must be <= {self.options.max_top_logprobs_num} "
                 f"(option max_top_logprobs_num), got {top}"
             )
 
     def check_max_new_tokens(self, max_new_tokens: int) -> None:
         if max_new_tokens > self.context_length:
-            raise ValueError(
+            raise InvalidRequest(
                 f"max_new_tokens must be <= the context length {self.context_length}, "
                 f"got {max_new_tokens}"
             )
@@ -81,7 +82,7 @@ class RequestLimits:
             budget = self.new_token_budget(prompt_len, params.max_new_tokens)
             total += params.n * (prompt_positions + budget) * per_position
         if total > self.options.max_logprob_entries:
-            raise ValueError(
+            raise InvalidRequest(
                 f"this call could return {total} top-logprob and token_ids_logprob entries "
                 "(samples x logprob positions x (top_logprobs_num + len(token_ids_logprob))), "
                 f"more than the limit of {self.options.max_logprob_entries} (option "
@@ -100,7 +101,7 @@ def _utf8_size(text: str, what: str) -> int:
     try:
         return len(text.encode("utf-8"))
     except UnicodeEncodeError as e:
-        raise ValueError(
+        raise InvalidRequest(
             f"{what} is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at position "
             f"{e.start} (a high surrogate \\ud800-\\udbff must be followed by a low one "
             "\\udc00-\\udfff)"

@@ -8,6 +8,7 @@ from typing import Any
 from rollout.config import MAX_SAMPLES_PER_CALL
 from rollout.engine.request_limits import RequestLimits, check_unicode
 from rollout.engine.sampling_params import SamplingParams
+from rollout.errors import InvalidRequest, InvalidRequestType
 
 
 @dataclass
@@ -36,7 +37,7 @@ def _as_params(value: Any) -> SamplingParams:
         return value
     if isinstance(value, dict):
         return SamplingParams.from_dict(value)
-    raise TypeError(f"sampling_params must be a dict or SamplingParams, got {type(value).__name__}")
+    raise InvalidRequestType(f"sampling_params must be a dict or SamplingParams, got {type(value).__name__}")
 
 
 def _is_id_list(value: Any) -> bool:
@@ -67,15 +68,15 @@ def build_inputs(
     The bounds of `limits` hold before any prompt is tokenized, but for the response's size,
     which needs the prompts' lengths (and is checked before anything runs)."""
     if (prompt is None) == (input_ids is None):
-        raise ValueError("give exactly one of prompt or input_ids")
+        raise InvalidRequest("give exactly one of prompt or input_ids")
     if prompt is not None:
         batched = isinstance(prompt, list)
         texts = prompt if batched else [prompt]
         for i, t in enumerate(texts):
             if not isinstance(t, str):
-                raise TypeError(f"prompt must be a str or a list of str, got {type(t).__name__}")
+                raise InvalidRequestType(f"prompt must be a str or a list of str, got {type(t).__name__}")
             if not t:
-                raise ValueError("prompt is empty")
+                raise InvalidRequest("prompt is empty")
             limits.check_text(t, f"prompt {i}" if batched else "the prompt")
         ids_list: list = texts  # tokenized below, once every other argument is checked
     else:
@@ -85,13 +86,13 @@ def build_inputs(
             if isinstance(ids, list):  # the cheap check first: long lists are slow to scan
                 validate_prompt_length(len(ids), limits.context_length)
             if not _is_id_list(ids):
-                raise TypeError("input_ids must be a list of int or a list of lists of int")
+                raise InvalidRequestType("input_ids must be a list of int or a list of lists of int")
     if not ids_list:
-        raise ValueError("the list of prompts is empty")
+        raise InvalidRequest("the list of prompts is empty")
 
     if isinstance(sampling_params, list):
         if len(sampling_params) != len(ids_list):
-            raise ValueError(
+            raise InvalidRequest(
                 f"sampling_params has {len(sampling_params)} entries for {len(ids_list)} prompts"
             )
         given = sampling_params
@@ -104,7 +105,7 @@ def build_inputs(
         params_list = params_list * len(ids_list)  # one params object for every prompt
     rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
     if len(rids) != len(ids_list):
-        raise ValueError(f"rid has {len(rids)} entries for {len(ids_list)} prompts")
+        raise InvalidRequest(f"rid has {len(rids)} entries for {len(ids_list)} prompts")
     for r in rids:
         if isinstance(r, str):
             check_unicode(r, "rid")
@@ -114,25 +115,25 @@ def build_inputs(
         logprob_start_len = None  # SGLang's -1: no prompt logprobs
     top = options.get("top_logprobs_num") or 0
     if not isinstance(top, int) or top < 0:
-        raise ValueError(f"top_logprobs_num must be an int >= 0, got {top!r}")
+        raise InvalidRequest(f"top_logprobs_num must be an int >= 0, got {top!r}")
     limits.check_top_logprobs_num(top)
     token_ids_logprob = options.get("token_ids_logprob")
     if token_ids_logprob is not None and not _is_id_list(token_ids_logprob):
-        raise TypeError("token_ids_logprob must be a list of int")
+        raise InvalidRequestType("token_ids_logprob must be a list of int")
 
     total = sum(p.n for p in params_list)
     if total > MAX_SAMPLES_PER_CALL:
-        raise ValueError(
+        raise InvalidRequest(
             f"one call may ask for at most {MAX_SAMPLES_PER_CALL} samples (prompts x n), got {total}"
         )
     if prompt is not None:
         ids_list = [tokenizer.encode(t) for t in ids_list]
     for ids in ids_list:
         if not ids:
-            raise ValueError("prompt is empty (no input ids)")
+            raise InvalidRequest("prompt is empty (no input ids)")
         validate_prompt_length(len(ids), limits.context_length)
         if logprob_start_len is not None and logprob_start_len >= len(ids):
-            raise ValueError(
+            raise InvalidRequest(
                 f"logprob_start_len must be < the prompt length {len(ids)}, got {logprob_start_len}"
             )
     return_logprob = bool(options.get("return_logprob"))
@@ -164,7 +165,7 @@ def build_inputs(
                 )
             )
     if out[0].stream and len(out) > 1:
-        raise ValueError("stream=True takes one prompt with n=1; stream each sample separately")
+        raise InvalidRequest("stream=True takes one prompt with n=1; stream each sample separately")
     return out, batched or len(out) > 1
 
 
@@ -182,22 +183,22 @@ def validate_for_model(inp: GenerateInput, vocab_size: int, context_length: int)
     validate_input_ids(inp.input_ids, vocab_size, context_length)
     bad = [t for t in inp.token_ids_logprob or () if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"token_ids_logprob must hold ids in [0, {vocab_size}), got {bad[:5]}")
+        raise InvalidRequest(f"token_ids_logprob must hold ids in [0, {vocab_size}), got {bad[:5]}")
     bad = [t for t in inp.params.stop_token_ids or () if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"stop_token_ids must hold ids in [0, {vocab_size}), got {bad[:5]}")
+        raise InvalidRequest(f"stop_token_ids must hold ids in [0, {vocab_size}), got {bad[:5]}")
 
 
 def validate_input_ids(ids: list[int], vocab_size: int, context_length: int) -> None:
     validate_prompt_length(len(ids), context_length)
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        raise InvalidRequest(f"token ids must be in [0, {vocab_size}), got {bad[:5]}")
 
 
 def validate_prompt_length(prompt_tokens: int, context_length: int) -> None:
     if prompt_tokens >= context_length:
-        raise ValueError(
+        raise InvalidRequest(
             f"the prompt has {prompt_tokens} tokens, which leaves no room in the context of "
             f"{context_length} tokens"
         )

@@ -85,18 +85,7 @@ class SamplingBatch:
         All goes to `device` in one non-blocking copy: building never waits for the device."""
         n, V = len(params), vocab_size
         steps = [len(ids) for ids in output_ids] if steps is None else steps
-        # [6, B] float64 as the requests gave them: flags are read before the float32 cast.
-        values = np.array(
-            [
-                [p.temperature for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-                [p.repetition_penalty for p in params],
-                [p.frequency_penalty for p in params],
-                [p.presence_penalty for p in params],
-            ],
-            dtype=np.float64,
-        )
+        values = _float_params(params)  # [6, B]
         temperature, _, _, repetition, frequency, presence = values
         # Which of top_p, min_p and the penalties some row uses (moves from its neutral value).
         used = (values != _NEUTRAL).any(axis=1)
@@ -149,6 +138,22 @@ class SamplingBatch:
             use_top_p=bool(used[1]),
             use_min_p=bool(used[2]),
         )
+
+
+def _float_params(params: list[SamplingParams]) -> np.ndarray:
+    """[6, B] float64 as the requests gave them (flags are read before the float32 cast):
+    temperature, top_p, min_p, repetition, frequency and presence penalties."""
+    return np.array(
+        [
+            [p.temperature for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+        ],
+        dtype=np.float64,
+    )
 
 
 # The rows of `values` in SamplingBatch.build at their neutral values: top_p <= 1 and min_p >= 0,

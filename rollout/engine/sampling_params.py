@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.errors import InvalidRequest
+
 # Every float field must fit in float32, the precision the sampler computes in: a larger value
 # would become inf there.
 FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
@@ -51,7 +53,7 @@ class SamplingParams:
         _check_int("max_new_tokens", self.max_new_tokens, lambda x: x >= 0, ">= 0")
         _check_int("min_new_tokens", self.min_new_tokens, lambda x: x >= 0, ">= 0")
         if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(
+            raise InvalidRequest(
                 f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
                 f"got {self.min_new_tokens}"
             )
@@ -69,7 +71,7 @@ class SamplingParams:
         self.stop_token_ids = _token_id_list(self.stop_token_ids)
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidRequest(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("n", self.n, lambda x: x >= 1, ">= 1")
         if self.seed is not None:
             _check_int("seed", self.seed, lambda x: True, "an int or None")
@@ -80,11 +82,11 @@ class SamplingParams:
         if d is None:
             return cls()
         if not isinstance(d, dict):
-            raise ValueError(f"sampling params must be a dict, got {type(d).__name__}")
+            raise InvalidRequest(f"sampling params must be a dict, got {type(d).__name__}")
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(k for k in d if k not in valid)
         if unknown:
-            raise ValueError(
+            raise InvalidRequest(
                 f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
                 f"valid ones are: {', '.join(valid)}"
             )
@@ -110,25 +112,25 @@ _BOOL_FIELDS = (
 def _check_int(name: str, value: Any, ok: Callable[[int], bool], allowed: str) -> None:
     # NOTE: bool is a subclass of int; `top_k=True` is a bug in the caller, not 1.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise InvalidRequest(f"{name} must be an int, got {value!r}")
     if not ok(value):
-        raise ValueError(f"{name} must be {allowed}, got {value}")
+        raise InvalidRequest(f"{name} must be {allowed}, got {value}")
 
 
 def _float(name: str, value: Any, ok: Callable[[float], bool], allowed: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InvalidRequest(f"{name} must be a number, got {value!r}")
     try:
         value = float(value)
     except OverflowError:  # an int beyond float64
-        raise ValueError(
+        raise InvalidRequest(
             f"{name} must be {allowed} and at most {FLOAT32_MAX:.4g} (float32), got an int "
             f"of {value.bit_length()} bits"
         ) from None
     if not math.isfinite(value) or not ok(value):
-        raise ValueError(f"{name} must be {allowed}, got {value}")
+        raise InvalidRequest(f"{name} must be {allowed}, got {value}")
     if abs(value) > FLOAT32_MAX:
-        raise ValueError(
+        raise InvalidRequest(
             f"{name} must be {allowed} and at most {FLOAT32_MAX:.4g} (float32), got {value}"
         )
     return value
@@ -139,7 +141,7 @@ def _stop_list(stop: Any) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        raise InvalidRequest(f"stop must be a non-empty string or a list of them, got {stop!r}")
     return list(stops)
 
 
@@ -149,5 +151,5 @@ def _token_id_list(ids: Any) -> list[int]:
     if not isinstance(ids, (list, tuple)) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
     ):
-        raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+        raise InvalidRequest(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
     return list(ids)

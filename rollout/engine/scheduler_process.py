@@ -8,12 +8,15 @@ of waiting forever.
 from __future__ import annotations
 
 import logging
+import pickle
 import traceback
 from typing import Any
 
 import zmq
 
 from rollout.config import EngineOptions
+from rollout.control import ControlCall
+from rollout.engine.control_calls import CALLS, FlushCache, GetServerInfo, Shutdown
 from rollout.engine.messages import (
     AbortRequest,
     ControlReply,
@@ -22,8 +25,10 @@ from rollout.engine.messages import (
     SchedulerFailed,
     SchedulerReady,
     TokenizedRequest,
+    is_control,
 )
 from rollout.engine.processes import Addresses, watch_parent
+from rollout.errors import ControlError
 from rollout.weight_sync.deferred import Deferred
 
 logger = logging.getLogger(__name__)
@@ -57,6 +62,7 @@ class SchedulerProcess:
         from rollout.engine.model_runner import ModelRunner
         from rollout.engine.scheduler import Scheduler
         from rollout.engine.stop_checker import StopChecker
+        from rollout.engine.weight_sync_port import SchedulerPort
         from rollout.weight_sync.controller import WeightSyncController
 
         mopts = options.model
@@ -66,7 +72,8 @@ class SchedulerProcess:
         context = mopts.context_length or getattr(hf_config, "max_position_embeddings", 4096)
         self.runner = ModelRunner(options, hf_config, context, eos)
         self.scheduler = Scheduler(options, self.runner, StopChecker(tokenizer, eos))
-        self.weight_sync = WeightSyncController(self.runner, self.scheduler, options)
+        port = SchedulerPort(self.scheduler, self.runner)
+        self.weight_sync = WeightSyncController(port, options.weight_sync)
         self.deferred: list[tuple[int, Deferred]] = []  # (call_id, its pending reply)
         self.info = {
             "model_path": mopts.model_path,
@@ -78,40 +85,65 @@ class SchedulerProcess:
             "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
-            "attention_backend": self.runner.attention_backend,
-            "decode_attention": str(self.runner.decode_attention),
+            "attention_backend": self.runner.kernel_plan.attention_backend,
+            "decode_attention": str(self.runner.kernel_plan.decode_attention),
+            "kernel_plan": self.runner.kernel_plan.as_dict(),
         }
+        # At WARNING, the level this process logs at: the one start-up line worth seeing.
+        logger.warning("kernel plan: %s", self.runner.kernel_plan)
 
-    def handle(self, msg: Any) -> ControlReply | None:
-        if isinstance(msg, TokenizedRequest):
-            self.scheduler.add_request(msg)
-        elif isinstance(msg, AbortRequest):
-            self.scheduler.abort(msg)
-        elif isinstance(msg, ControlRequest):
-            return self.control(msg)
-        else:
+    def handle(self, msg: TokenizedRequest) -> None:
+        """A pickled message: request traffic (control traffic comes as ControlRequest)."""
+        if not isinstance(msg, TokenizedRequest):
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
-        return None
+        self.scheduler.add_request(msg)
 
-    def control(self, msg: ControlRequest) -> ControlReply | None:
-        s = self.scheduler
-        if msg.method == "shutdown":
-            return ControlReply(msg.call_id, "shutdown")
-        methods = {
-            "flush_cache": s.flush_cache,
-            "get_server_info": lambda: {**self.info, **s.server_info(), **self.weight_sync.info()},
-            **self.weight_sync.methods(),
-        }
-        if msg.method not in methods:
-            return ControlReply(msg.call_id, error=f"unknown control method {msg.method!r}")
-        try:
-            result = methods[msg.method](**msg.kwargs)
-        except (ValueError, TypeError, KeyError, RuntimeError) as e:
-            return ControlReply(msg.call_id, error=f"{type(e).__name__}: {e}")
-        if isinstance(result, Deferred):
-            self.deferred.append((msg.call_id, result))  # replied to by the loop, once done
+    def control(self, request: ControlRequest) -> ControlReply | None:
+        """Runs one call; its reply, or None (an abort needs none; a deferred call is replied
+        to by the loop once done)."""
+        call = request.call
+        if isinstance(call, AbortRequest):
+            self.scheduler.abort(call)
             return None
-        return ControlReply(msg.call_id, result)
+        if isinstance(call, Shutdown):
+            return ControlReply(request.call_id, last=True)
+        try:
+            result = self._run(call)
+            if isinstance(result, Deferred):
+                self.deferred.append((request.call_id, result))
+                return None
+        except Exception as e:  # noqa: BLE001 - every failure must reach the caller
+            return self._failed(request.call_id, call.method, e)
+        return ControlReply(request.call_id, result)
+
+    def _run(self, call: ControlCall) -> dict | Deferred:
+        if isinstance(call, FlushCache):
+            return self.scheduler.flush_cache()
+        if isinstance(call, GetServerInfo):
+            return {**self.info, **self.scheduler.server_info(), **self.weight_sync.info()}
+        return self.weight_sync.run(call)
+
+    @staticmethod
+    def _failed(call_id: int, method: str, error: Exception) -> ControlReply:
+        reply = ControlReply(call_id, error=ControlError.of(error))
+        if reply.error.kind == "internal":  # a bug: the caller gets its name, the log its trace
+            logger.error("control call %s failed", method, exc_info=error)
+        return reply
+
+    def _receive_control(self, frames: list[bytes], send: zmq.Socket) -> ControlReply | None:
+        try:
+            request = ControlRequest.from_frames(frames, CALLS)
+        except Exception as e:  # noqa: BLE001 - built and checked by the engine: a bug here
+            call_id = ControlRequest.id_of(frames)
+            if call_id is None:
+                raise
+            return self._failed(call_id, "reading a control call", e)
+        if not isinstance(request.call, AbortRequest):
+            # A control call sees no batch in flight, and that batch's outputs leave first:
+            # stamped with the weight version that computed them.
+            self.scheduler.drain()
+            self._send_outputs(send, self.scheduler.take_reports())
+        return self.control(request)
 
     def loop(self, recv: zmq.Socket, send: zmq.Socket) -> None:
         while True:
@@ -120,22 +152,20 @@ class SchedulerProcess:
             self._finish_deferred(send)
             replies: list[ControlReply] = []
             while recv.poll(0):
-                msg = recv.recv_pyobj()
-                if isinstance(msg, ControlRequest):
-                    # A control call sees no batch in flight, and that batch's outputs leave
-                    # first: stamped with the weight version that computed them.
-                    self.scheduler.drain()
-                    self._send_outputs(send, self.scheduler.take_reports())
-                reply = self.handle(msg)
-                if reply is not None:
-                    replies.append(reply)
-            shutdown = [r for r in replies if r.result == "shutdown"]
-            replies = [r for r in replies if r.result != "shutdown"]
+                frames = recv.recv_multipart()
+                if is_control(frames):
+                    reply = self._receive_control(frames, send)
+                    if reply is not None:
+                        replies.append(reply)
+                else:
+                    self.handle(pickle.loads(frames[0]))
+            last = [r for r in replies if r.last]
             self._send_outputs(send, self.scheduler.step())
             for reply in replies:
-                send.send_pyobj(reply)
-            if shutdown:
-                send.send_pyobj(shutdown[0])
+                if not reply.last:
+                    self._reply(send, reply)
+            if last:
+                self._reply(send, last[0])
                 return
 
     def _finish_deferred(self, send: zmq.Socket) -> None:
@@ -149,12 +179,23 @@ class SchedulerProcess:
                 continue
             self.scheduler.drain()
             self._send_outputs(send, self.scheduler.take_reports())
-            result = deferred.finish()
+            try:
+                result = deferred.finish()
+            except Exception as e:  # noqa: BLE001 - every failure must reach the caller
+                self._reply(send, self._failed(call_id, "a deferred call", e))
+                continue
             if isinstance(result, Deferred):
                 waiting.append((call_id, result))
             else:
-                send.send_pyobj(ControlReply(call_id, result))
+                self._reply(send, ControlReply(call_id, result))
         self.deferred = waiting
+
+    def _reply(self, send: zmq.Socket, reply: ControlReply) -> None:
+        try:
+            frames = reply.to_frames()
+        except (TypeError, ValueError) as e:  # a result that is no JSON: a bug of the call's
+            frames = self._failed(reply.call_id, "encoding a reply", e).to_frames()
+        send.send_multipart(frames)
 
     def _send_outputs(self, send: zmq.Socket, done: list) -> None:
         if done:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import pickle
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +17,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from rollout.control import ControlCall
+from rollout.engine.control_calls import Shutdown
 from rollout.engine.messages import (
     AbortRequest,
     ControlReply,
@@ -25,10 +28,12 @@ from rollout.engine.messages import (
     SchedulerFailed,
     SchedulerReady,
     TokenizedRequest,
+    is_control,
     public_error,
 )
 from rollout.engine.output_builder import Accumulated, accumulate, build_output
 from rollout.engine.request_validation import GenerateInput, validate_for_model
+from rollout.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +100,7 @@ class TokenizerManager:
         validate_for_model(inp, self.info["vocab_size"], self.info["context_length"])
         rid = inp.rid or uuid.uuid4().hex
         if rid in self.states:
-            raise ValueError(f"rid {rid!r} is already in use by a running request")
+            raise InvalidRequest(f"rid {rid!r} is already in use by a running request")
         seed = inp.params.seed if inp.params.seed is not None else self.next_seed()
         treq = TokenizedRequest(
             rid=rid,
@@ -132,24 +137,25 @@ class TokenizerManager:
         finally:
             self.states.pop(rid, None)
             if not finished and self.dead is None:
-                await self.send.send_pyobj(AbortRequest(rid=rid))
+                await self.control(AbortRequest(rid=rid))
 
-    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+    async def control(self, call: ControlCall) -> Any:
+        """Runs a control call in the scheduler, in order with the requests sent before it:
+        its result (plain data), or its failure raised as the exception of its kind (see
+        rollout/errors.py). An abort is sent without waiting for a reply."""
         self._check_alive()
-        await self.send.send_pyobj(AbortRequest(rid=rid, abort_all=abort_all))
-
-    async def control(self, method: str, **kwargs: Any) -> Any:
-        """Runs a control call in the scheduler, in order with the requests sent before it."""
-        self._check_alive()
+        if isinstance(call, AbortRequest):
+            await self.send.send_multipart(ControlRequest(None, call).to_frames())
+            return None
         call_id = next(self._call_ids)
         fut = self.calls[call_id] = asyncio.get_running_loop().create_future()
-        await self.send.send_pyobj(ControlRequest(call_id, method, kwargs))
+        await self.send.send_multipart(ControlRequest(call_id, call).to_frames())
         try:
             reply: ControlReply = await fut
         finally:
             self.calls.pop(call_id, None)
         if reply.error is not None:
-            raise RuntimeError(reply.error)
+            raise reply.error.exception()
         return reply.result
 
     # ---- receiving ------------------------------------------------------------------------
@@ -162,16 +168,19 @@ class TokenizerManager:
                         "it sent no report: killed (out of memory?) or crashed in native code",
                     )
                 continue
-            msg = await self.recv.recv_pyobj()
+            frames = await self.recv.recv_multipart()
+            if is_control(frames):
+                reply = ControlReply.from_frames(frames)
+                fut = self.calls.get(reply.call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(reply)
+                if reply.last:
+                    return
+                continue
+            msg = pickle.loads(frames[0])
             if isinstance(msg, ReqOutputBatch):
                 for out in msg.outputs:
                     self._deliver(out)
-            elif isinstance(msg, ControlReply):
-                fut = self.calls.get(msg.call_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-                if msg.result == "shutdown":
-                    return
             elif isinstance(msg, SchedulerFailed):
                 self._fail(f"the scheduler failed: {public_error(msg.error)}", msg.error)
 
@@ -198,7 +207,7 @@ class TokenizerManager:
     async def shutdown(self) -> None:
         if self.dead is None and self._loop_task is not None and not self._loop_task.done():
             try:
-                await asyncio.wait_for(self.control("shutdown"), timeout=10)
+                await asyncio.wait_for(self.control(Shutdown()), timeout=10)
             except (asyncio.TimeoutError, EngineDeadError, RuntimeError):
                 pass
         self.dead = self.dead or "the engine was shut down"

@@ -40,7 +40,3 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
-
-    @property
-    def prefix_lens_cpu(self) -> list[int]:
-        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]

@@ -3,7 +3,8 @@
 Each block has a torch path (the reference, any device) and, once `use_fused_kernels` has
 switched a model over, a path through the Triton kernels of `rollout_kernels` that does the
 same arithmetic in one launch instead of one kernel per elementwise op. A decode step of a
-small model is mostly those launches: Qwen3-0.6B ran ~1,700 kernels per step unfused.
+small model is mostly those launches (benchmarks/RESULTS.md counts them for Qwen3-0.6B). Whether
+and where the kernels run is the KernelPlan's decision (rollout.forward.kernel_plan).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rollout.forward.kernel_plan import SKINNY_MIN_WEIGHT
 
 # Rope types whose frequencies are fixed at init. "dynamic" is exact up to the original
 # context length; beyond it HF rescales by the batch's longest sequence, which depends on
@@ -36,16 +39,11 @@ class FusedOps:
     skinny_rows = 0  # linear layers of at most this many rows run the skinny GEMM kernel
 
 
-# Weights below this many elements keep torch's GEMM on the skinny path. Reading one is short
-# enough that the kernel's start weighs: each program streams one tile of rows through a
-# pipeline it must first fill, and torch's GEMM, which also splits K, reads them as fast or
-# faster (Qwen2.5-7B at one row on an H100: q/k/v 14.1 against 17.2 us, o 11.6 against 11.9;
-# the skinny kernel wins on gate/up, down and the LM head: benchmarks/bench_gemv.py).
-SKINNY_MIN_WEIGHT = 1 << 25
-
-
 def use_fused_kernels(
-    model: nn.Module, enabled: bool = True, skinny_rows: int = 0, skinny_min_weight: int = SKINNY_MIN_WEIGHT
+    model: nn.Module,
+    enabled: bool = True,
+    skinny_rows: int = 0,
+    skinny_min_weight: int = SKINNY_MIN_WEIGHT,
 ) -> None:
     """Switches every block of `model` to (or back from) the Triton kernels. Outputs agree
     with the torch path to rounding; both paths round where HF's modules round. With
@@ -59,8 +57,10 @@ def use_fused_kernels(
             module.skinny_rows = skinny_rows if enabled and not small else 0
 
 
-# The skinny GEMM's tiles: the best for three of Qwen2.5-7B's five projections at one row on an
-# H100 (benchmarks/bench_gemv.py, 2026-11-23, in a run whose weights were partly L2-resident).
+# The skinny GEMM's tiles: the best for three of Qwen2.5-7B's five projections at one row in
+# benchmarks/bench_gemv.py's search, in a run whose weights were partly L2-resident; with the
+# weights cycled past L2 since, they stay close to the best tiles searched on the projections
+# the kernel takes (benchmarks/RESULTS.md, seventh session).
 SKINNY_GEMM_TILES = {"block_n": 32, "block_k": 512, "num_warps": 4, "num_stages": 5}
 
 
@@ -76,9 +76,10 @@ def linear(
 def logits_linear(x: torch.Tensor, weight: torch.Tensor, skinny_rows: int = 0) -> torch.Tensor:
     """The LM head: x [T, hidden] -> float32 logits [T, vocab]. On CUDA a 16-bit GEMM writes
     float32 directly (torch.mm's out_dtype): no rounding of the logits to 16 bits, and no
-    second pass over [T, vocab] to widen them (an H100 at 256 rows of Qwen3-0.6B: 172 against
-    269 us)."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not 0 < x.shape[0] <= skinny_rows:
+    second pass over [T, vocab] to widen them, which costs most at many rows of a large
+    vocabulary (benchmarks/RESULTS.md, sixth session)."""
+    skinny = 0 < x.shape[0] <= skinny_rows
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not skinny:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return linear(x, weight, None, skinny_rows).float()
 

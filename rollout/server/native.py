@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, SkipValidation
 
+from rollout.engine.messages import AbortRequest
 from rollout.server.json_body import OffLoopRoute
 from rollout.server.openai_format import TokenText
 from rollout.server.responses import JSON, error, is_large, json_response
@@ -195,12 +196,11 @@ def abort_request(body: AbortRequestBody, request: Request) -> JSON:
     with the user key; someone else's rid answers as an unknown rid does, so the answer doesn't
     tell whether it exists."""
     role = request.state.role
-    if body.abort_all and role != "admin":
+    call = AbortRequest(body.rid, body.abort_all)  # 400 unless it names what to abort
+    if call.abort_all and role != "admin":
         return error(403, "abort_all needs the admin API key", "permission_error")
-    if not body.abort_all and body.rid is None:
-        return error(400, "give rid, or abort_all: true")
-    if body.abort_all or request.app.state.owners.may_abort(body.rid, role):
-        _engine(request).abort_request(rid=body.rid, abort_all=body.abort_all)
+    if call.abort_all or request.app.state.owners.may_abort(call.rid, role):
+        _engine(request).abort_request(rid=call.rid, abort_all=call.abort_all)
     return JSON({"success": True})
 
 

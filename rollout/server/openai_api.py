@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 
 from rollout.engine.chat_template import chat_ids
 from rollout.engine.request_validation import encode_prompt
+from rollout.errors import InvalidRequest
 from rollout.server.json_body import OffLoopRoute
 from rollout.server.openai_format import (
     TokenText,
@@ -67,7 +68,7 @@ def _prompts(body: CompletionRequest, engine: Any) -> tuple[list[list[int]], lis
     if isinstance(p, str):
         p = [p]
     if not p:
-        raise ValueError("prompt is empty")
+        raise InvalidRequest("prompt is empty")
     if all(isinstance(x, int) for x in p):
         prompts = [list(p)]  # type: ignore[arg-type]
     else:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from rollout.engine.messages import public_error
 from rollout.engine.tokenizer_manager import EngineDeadError, RequestFailedError
+from rollout.errors import HTTP, kind_of
 from rollout.server.json_render import dumps, estimate_items, render_in_pieces
 
 logger = logging.getLogger(__name__)
@@ -50,13 +51,16 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 def describe_failure(exc: BaseException, where: str) -> tuple[int, str, str]:
     """(status, message, type) for an exception raised while serving a request at `where`.
 
-    Bad input (ValueError, TypeError) is the caller's to fix: its message goes back as is. A
-    request the engine failed (RequestFailedError, 500) and a dead engine (EngineDeadError, 503)
-    get their short messages (the engine logged the details). Anything else is logged under a
-    fresh error id, with its trace, and the client gets only the id: tracebacks and file paths
-    stay in the log."""
-    if isinstance(exc, (ValueError, TypeError)):
-        return 400, str(exc), "invalid_request_error"
+    The caller's mistakes (a RequestError: rollout/errors.py) and a failed weight transfer get
+    the status of their kind and their message as is. A request the engine failed
+    (RequestFailedError, 500) and a dead engine (EngineDeadError, 503) get their short messages
+    (the engine logged the details). Anything else is a bug of ours, whatever its type (a
+    ValueError too): logged under a fresh error id, with its trace, and the client gets only
+    the id: tracebacks and file paths stay in the log."""
+    kind = kind_of(exc)
+    if kind != "internal":
+        status, type_ = HTTP[kind]
+        return status, str(exc), type_
     if isinstance(exc, RequestFailedError):
         return 500, public_error(str(exc)), "server_error"
     if isinstance(exc, EngineDeadError):

@@ -1,86 +1,65 @@
 """Weight-sync and memory endpoints, SGLang's names and payloads (admin-only: see guard.py).
 
-Tensor handoff over HTTP takes `tensor_handles`, the JSON form of rollout.weight_sync's
-TensorHandles (names, dtypes, shapes, CUDA IPC handles or shared-memory block names): nothing
-that arrives here is unpickled. Disk reloads only read files that resolve under
---allowed-weight-roots.
+Each body below is the JSON shape of one call of rollout/weight_sync/calls.py (types only): the
+engine method of the same name builds the call, which checks the values, and a refusal is
+answered by the status of its kind (rollout/errors.py). Tensor handoff over HTTP takes
+`tensor_handles`, the JSON form of TensorHandles (names, dtypes, shapes, CUDA IPC handles or
+shared-memory block names): nothing that arrives here is unpickled. Disk reloads only read files
+that resolve under --allowed-weight-roots.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any
+import typing
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, create_model
 
-from rollout.server.responses import JSON, error
-from rollout.weight_sync.calls import DEFAULT_GROUP
+from rollout.control import ControlCall
+from rollout.errors import Forbidden, InvalidRequest
+from rollout.weight_sync import calls
 from rollout.weight_sync.tensor_handles import TensorHandles
+
+if TYPE_CHECKING:
+    from rollout.engine.engine import RolloutEngine
 
 router = APIRouter()
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _body(name: str, call: type[ControlCall], **fields: Any) -> type[BaseModel]:
+    """The JSON body of `call`: its fields with their types and defaults, nothing else
+    (`fields` gives a field another JSON type, or None: not in the body). Only the types are
+    checked here; the call checks the values where the engine builds it."""
+    hints = typing.get_type_hints(call)
+    defaults = {
+        f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(call)
+    }
+    for field, kind in fields.items():
+        if kind is None:
+            del defaults[field]
+        else:
+            defaults[field] = (kind, defaults[field][1])
+    return create_model(name, __config__=ConfigDict(extra="forbid"), **defaults)
 
 
-class InitGroupBody(_Body):
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = DEFAULT_GROUP
-    backend: str = "nccl"
-    timeout_s: float | None = None
+InitGroupBody = _body("InitGroupBody", calls.InitWeightsUpdateGroup)
+GroupBody = _body("GroupBody", calls.DestroyWeightsUpdateGroup)
+DistributedBody = _body("DistributedBody", calls.UpdateWeightsFromDistributed)
+# load_format: how the sender gave the tensors (None or flattened_bucket, checked as the Python
+# API's argument is); the handles carry the layout, so both load the same way.
+TensorBody = _body("TensorBody", calls.UpdateWeightsFromTensor, tensor_handles=dict[str, Any])
+DiskBody = _body("DiskBody", calls.UpdateWeightsFromDisk, allowed_roots=None)  # the server's
+WeightsByNameBody = _body("WeightsByNameBody", calls.GetWeightsByName)
+VersionBody = _body("VersionBody", calls.UpdateWeightVersion)
+PauseBody = _body("PauseBody", calls.PauseGeneration)
+TagsBody = _body("TagsBody", calls.ReleaseMemoryOccupation)
 
 
-class GroupBody(_Body):
-    group_name: str = DEFAULT_GROUP
-
-
-class DistributedBody(_Body):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = DEFAULT_GROUP
-    flush_cache: bool = True
-    weight_version: str | None = None
-    load_format: str | None = None
-
-
-class TensorBody(_Body):
-    tensor_handles: dict[str, Any]
-    load_format: str | None = None  # accepted for SGLang's payload shape; handles carry the layout
-    flush_cache: bool = True
-    weight_version: str | None = None
-
-
-class DiskBody(_Body):
-    model_path: str
-    load_format: str | None = None
-    weight_version: str | None = None
-
-
-class WeightsByNameBody(_Body):
-    name: str
-    truncate_size: int = 100
-
-
-class VersionBody(_Body):
-    new_version: str
-    abort_all_requests: bool = False
-
-
-class PauseBody(_Body):
-    mode: str = "abort"
-
-
-class TagsBody(_Body):
-    tags: list[str] | None = None
-
-
-def _engine(request: Request) -> Any:
+def _engine(request: Request) -> RolloutEngine:
     return request.app.state.engine
 
 
@@ -103,25 +82,25 @@ def update_weights_from_distributed(body: DistributedBody, request: Request) -> 
 def update_weights_from_tensor(body: TensorBody, request: Request) -> dict:
     handles = TensorHandles.from_json(body.tensor_handles)
     return _engine(request).update_weights_from_tensor(
-        handles, flush_cache=body.flush_cache, weight_version=body.weight_version
+        handles, body.load_format, body.flush_cache, body.weight_version
     )
 
 
 @router.post("/update_weights_from_disk")
-def update_weights_from_disk(body: DiskBody, request: Request) -> Any:
+def update_weights_from_disk(body: DiskBody, request: Request) -> dict:
     roots = request.app.state.options.allowed_weight_roots
-    path = os.path.realpath(body.model_path)
+    try:
+        path = os.path.realpath(body.model_path)
+    except ValueError as e:  # a NUL byte, or text that is no file name here
+        raise InvalidRequest(f"model_path is not a usable path: {e}") from None
     if not any(os.path.commonpath([path, os.path.realpath(r)]) == os.path.realpath(r) for r in roots):
         allowed = ", ".join(roots) if roots else "none configured (start with --allowed-weight-roots DIR)"
-        return error(403, f"model_path {body.model_path!r} is not under an allowed root: {allowed}", "permission_error")
+        raise Forbidden(f"model_path {body.model_path!r} is not under an allowed root: {allowed}")
     # The roots go with the call: the scheduler checks every file (config, index, each shard)
     # where it opens it, so neither a symlink nor an index naming files elsewhere gets out.
-    try:
-        return _engine(request).update_weights_from_disk(
-            path, body.load_format, body.weight_version, allowed_roots=list(roots)
-        )
-    except PermissionError as e:
-        return error(403, str(e), "permission_error")
+    return _engine(request).update_weights_from_disk(
+        path, body.load_format, body.weight_version, allowed_roots=list(roots)
+    )
 
 
 @router.post("/get_weights_by_name")
@@ -157,8 +136,3 @@ def release_memory_occupation(body: TagsBody, request: Request) -> dict:
 @router.post("/resume_memory_occupation")
 def resume_memory_occupation(body: TagsBody, request: Request) -> dict:
     return _engine(request).resume_memory_occupation(body.tags)
-
-
-def weight_sync_error(message: str) -> JSON:
-    """A transfer that failed (peer gone, timeout): the update did not apply; the old weights serve."""
-    return error(502, message, "weight_sync_error")

@@ -1,133 +1,177 @@
-"""The weight-sync calls as control messages, shared by RolloutEngine and an HTTP server/client.
+"""The weight-sync calls, one frozen dataclass each (see rollout/control.py).
 
-Each function checks its arguments where the caller is (TypeError/ValueError before anything is
-sent) and returns a WeightCall: the scheduler method, its keyword arguments (plain data), and
-anything the caller must keep alive until the reply (the tensors a handoff points at). The
-scheduler answers {"success": bool, "message": str, ...}; `unwrap` turns a failure into
-ValueError (the update did not fit the model), PermissionError (a checkpoint file outside the
-allowed weight roots) or WeightSyncError (the transfer failed); either way the weights and
-version are as before unless the message says otherwise.
+Each is checked where it is built (InvalidRequest / InvalidRequestType before anything is sent)
+and holds plain data, so it crosses to the scheduler as JSON. The scheduler answers
+{"success": True, "message": str, ...}; a failure is raised as InvalidRequest (the update did not
+fit the model), Forbidden (a checkpoint file outside the allowed weight roots) or WeightSyncError
+(the transfer failed): either way the weights and version are as before unless the message says
+otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
+from rollout.control import ControlCall, check_bool, is_int, nonempty_str, settle
+from rollout.errors import InvalidRequest, InvalidRequestType
 from rollout.weight_sync import disk_source, distributed_source
 from rollout.weight_sync.flat_bucket import FlatBucket
 from rollout.weight_sync.memory import check_tags
-from rollout.weight_sync.specs import build_specs, dtype_name
-from rollout.weight_sync.tensor_handles import SentTensors, TensorHandles, share_tensors
-from rollout.weight_sync.update_group import BACKENDS, WeightSyncError, check_group_args
+from rollout.weight_sync.specs import WeightSpec, build_specs, dtype_name, parse_dtype
+from rollout.weight_sync.tensor_handles import TensorHandles, share_tensors
+from rollout.weight_sync.update_group import check_group_args
 from rollout.weight_sync.versions import check_version
+
+# What update_weights_from_tensor takes: (name, tensor) pairs or a dict (load_format None), a
+# FlatBucket or a list of them ("flattened_bucket"), or handles another process shared.
+NamedTensors = (
+    Sequence[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor] | FlatBucket
+    | Sequence[FlatBucket] | TensorHandles
+)  # fmt: skip
+Shareable = list[tuple[str, torch.Tensor]] | FlatBucket | list[FlatBucket]
 
 DEFAULT_GROUP = "weight_update_group"
 PAUSE_MODES = ("abort", "retract", "in_place")
 TENSOR_LOAD_FORMATS = (None, "flattened_bucket")
 
 
-@dataclass
-class WeightCall:
-    method: str
-    kwargs: dict[str, Any]
-    keep: SentTensors | None = field(default=None, repr=False)
-
-    def close(self) -> None:
-        if self.keep is not None:
-            self.keep.close()
-
-
-def unwrap(result: dict[str, Any]) -> dict[str, Any]:
-    """The result of a successful call; raises the failure of a failed one."""
-    if result.get("success"):
-        return result
-    kinds = {
-        "ValueError": ValueError, "TypeError": TypeError, "KeyError": ValueError,
-        "PermissionError": PermissionError,  # a file outside the allowed weight roots
-    }  # fmt: skip
-    kind = kinds.get(result.get("error", ""), WeightSyncError)
-    raise kind(result.get("message") or "the weight-sync call failed")
-
-
-def _bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
+def _flush_cache(value: Any) -> None:
+    if not check_bool(value, "flush_cache"):
+        raise InvalidRequest(
+            "flush_cache=False is not supported: every weight update drops the prefix cache, "
+            "since KV computed with the old weights must not be reused; leave flush_cache=True"
+        )
 
 
 def _timeout(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {value!r}")
+        raise InvalidRequest(f"timeout_s must be a positive number of seconds, got {value!r}")
     return float(value)
 
 
-def init_weights_update_group(
-    master_address: str, master_port: int, rank_offset: int, world_size: int,
-    group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float | None = None,
-) -> WeightCall:  # fmt: skip
-    if not isinstance(rank_offset, int) or isinstance(rank_offset, bool) or rank_offset < 1:
-        raise ValueError(f"rank_offset must be an int >= 1 (the trainer is rank 0), got {rank_offset!r}")
-    check_group_args(master_address, master_port, rank_offset, world_size, group_name, backend)
-    kwargs = dict(
-        master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-        world_size=world_size, group_name=group_name, backend=backend, timeout_s=_timeout(timeout_s),
-    )  # fmt: skip
-    return WeightCall("init_weights_update_group", kwargs)
+@dataclass(frozen=True)
+class InitWeightsUpdateGroup(ControlCall):
+    """Join the trainer's update group (the trainer is rank 0 and hosts it) as rank_offset."""
+
+    method: ClassVar[str] = "init_weights_update_group"
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP
+    backend: str = "nccl"
+    timeout_s: float | None = None  # None: the engine's weight_sync_timeout_s
+
+    def __post_init__(self) -> None:
+        if not is_int(self.rank_offset) or self.rank_offset < 1:
+            raise InvalidRequest(
+                f"rank_offset must be an int >= 1 (the trainer is rank 0), got {self.rank_offset!r}"
+            )
+        check_group_args(
+            self.master_address, self.master_port, self.rank_offset, self.world_size,
+            self.group_name, self.backend,
+        )  # fmt: skip
+        settle(self, "timeout_s", _timeout(self.timeout_s))
 
 
-def destroy_weights_update_group(group_name: str = DEFAULT_GROUP) -> WeightCall:
-    if not isinstance(group_name, str) or not group_name:
-        raise ValueError(f"group_name must be a non-empty string, got {group_name!r}")
-    return WeightCall("destroy_weights_update_group", {"group_name": group_name})
+@dataclass(frozen=True)
+class DestroyWeightsUpdateGroup(ControlCall):
+    method: ClassVar[str] = "destroy_weights_update_group"
+    group_name: str = DEFAULT_GROUP
+
+    def __post_init__(self) -> None:
+        nonempty_str(self.group_name, "group_name")
 
 
-def update_weights_from_distributed(
-    names: Sequence[str], dtypes: Sequence[Any], shapes: Sequence[Sequence[int]],
-    group_name: str = DEFAULT_GROUP, flush_cache: bool = True, weight_version: str | None = None,
-    load_format: str | None = None,
-) -> WeightCall:  # fmt: skip
-    specs = build_specs(list(names), list(dtypes), list(shapes))
-    distributed_source.check_load_format(load_format)
-    kwargs = dict(
-        names=[s.name for s in specs], dtypes=[dtype_name(s.dtype) for s in specs],
-        shapes=[list(s.shape) for s in specs], group_name=group_name,
-        flush_cache=_bool(flush_cache, "flush_cache"), weight_version=check_version(weight_version),
-        load_format=load_format,
-    )  # fmt: skip
-    return WeightCall("update_weights_from_distributed", kwargs)
+@dataclass(frozen=True)
+class UpdateWeightsFromDistributed(ControlCall):
+    """Receive these tensors from rank 0's broadcasts (order: see distributed_source)."""
+
+    method: ClassVar[str] = "update_weights_from_distributed"
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]  # torch dtypes or their names; held as names
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str = DEFAULT_GROUP
+    flush_cache: bool = True
+    weight_version: str | None = None
+    load_format: str | None = None
+
+    def __post_init__(self) -> None:
+        specs = build_specs(self.names, self.dtypes, self.shapes)
+        settle(self, "names", tuple(s.name for s in specs))
+        settle(self, "dtypes", tuple(dtype_name(s.dtype) for s in specs))
+        settle(self, "shapes", tuple(s.shape for s in specs))
+        distributed_source.check_load_format(self.load_format)
+        _flush_cache(self.flush_cache)
+        check_version(self.weight_version)
+
+    @property
+    def specs(self) -> list[WeightSpec]:
+        return [
+            WeightSpec(n, shape, parse_dtype(d))
+            for n, d, shape in zip(self.names, self.dtypes, self.shapes)
+        ]
 
 
-def update_weights_from_tensor(
-    named_tensors: Any, load_format: str | None = None, flush_cache: bool = True,
-    weight_version: str | None = None,
-) -> WeightCall:  # fmt: skip
-    """named_tensors: a list of (name, tensor) or a dict (load_format None), a FlatBucket or a
-    list of them ("flattened_bucket"), or TensorHandles already shared by another process."""
-    if load_format not in TENSOR_LOAD_FORMATS:
-        raise ValueError(f"load_format must be None or flattened_bucket, got {load_format!r}")
-    _bool(flush_cache, "flush_cache")
-    version = check_version(weight_version)
-    keep = None
-    if isinstance(named_tensors, TensorHandles):
-        handles = named_tensors
-    else:
-        keep = share_tensors(_tensor_source(named_tensors, load_format))
+@dataclass(frozen=True)
+class UpdateWeightsFromTensor(ControlCall):
+    """Load tensors shared by reference (CUDA IPC handles, or shared-memory blocks on the host).
+    `load_format` says how the sender gave them (see `share`); the handles carry the layout."""
+
+    method: ClassVar[str] = "update_weights_from_tensor"
+    tensor_handles: TensorHandles  # or its JSON form, checked field by field
+    load_format: str | None = None
+    flush_cache: bool = True
+    weight_version: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tensor_handles, dict):
+            settle(self, "tensor_handles", TensorHandles.from_json(self.tensor_handles))
+        elif not isinstance(self.tensor_handles, TensorHandles):
+            kind = type(self.tensor_handles).__name__
+            raise InvalidRequestType(
+                f"tensor_handles must be TensorHandles or their JSON, got {kind}"
+            )
+        _check_tensor_format(self.load_format)
+        _flush_cache(self.flush_cache)
+        check_version(self.weight_version)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**super().to_wire(), "tensor_handles": self.tensor_handles.to_json()}
+
+    @classmethod
+    @contextlib.contextmanager
+    def shared(
+        cls, named_tensors: NamedTensors, load_format: str | None = None,
+        flush_cache: bool = True, weight_version: str | None = None,
+    ) -> Iterator[UpdateWeightsFromTensor]:  # fmt: skip
+        """The call for tensors of this process, shared here (as handles) until the block ends:
+        send it and wait for the reply inside. TensorHandles shared by another process are
+        sent as they are."""
+        if isinstance(named_tensors, TensorHandles):
+            yield cls(named_tensors, load_format, flush_cache, weight_version)
+            return
+        _check_tensor_format(load_format)
+        sent = share_tensors(_tensor_source(named_tensors, load_format))
         try:
-            handles = TensorHandles.from_json(keep.handles.to_json())  # what the receiver checks
-        except (ValueError, TypeError):
-            keep.close()
-            raise
-    kwargs = {"handles": handles.to_json(), "flush_cache": flush_cache, "weight_version": version}
-    return WeightCall("update_weights_from_tensor", kwargs, keep)
+            yield cls(sent.handles, load_format, flush_cache, weight_version)
+        finally:
+            sent.close()
 
 
-def _tensor_source(named_tensors: Any, load_format: str | None) -> Any:
+def _check_tensor_format(load_format: Any) -> None:
+    if load_format not in TENSOR_LOAD_FORMATS:
+        raise InvalidRequest(f"load_format must be None or flattened_bucket, got {load_format!r}")
+
+
+def _tensor_source(named_tensors: NamedTensors, load_format: str | None) -> Shareable:
     if load_format == "flattened_bucket":
         if isinstance(named_tensors, FlatBucket):
             return named_tensors
@@ -135,70 +179,144 @@ def _tensor_source(named_tensors: Any, load_format: str | None) -> Any:
             isinstance(b, FlatBucket) for b in named_tensors
         ):
             return list(named_tensors)
-        raise TypeError("with load_format='flattened_bucket', give a FlatBucket or a list of them")
+        raise InvalidRequestType(
+            "with load_format='flattened_bucket', give a FlatBucket or a list of them"
+        )
     pairs = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
     if not isinstance(pairs, (list, tuple)) or not pairs:
-        raise TypeError("named_tensors must be a non-empty list of (name, tensor) pairs or a dict")
+        raise InvalidRequestType(
+            "named_tensors must be a non-empty list of (name, tensor) pairs or a dict"
+        )
     for pair in pairs:
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)
                 and isinstance(pair[1], torch.Tensor)):  # fmt: skip
-            raise TypeError(f"named_tensors entries must be (str, torch.Tensor), got {pair!r:.80}")
+            raise InvalidRequestType(
+                f"named_tensors entries must be (str, torch.Tensor), got {pair!r:.80}"
+            )
     return [tuple(p) for p in pairs]
 
 
-def update_weights_from_disk(
-    model_path: str, load_format: str | None = None, weight_version: str | None = None,
-    allowed_roots: Sequence[str] | None = None,
-) -> WeightCall:  # fmt: skip
-    """allowed_roots: None reads anywhere; otherwise every file the scheduler opens (config,
-    index, shards; symlinks followed) must resolve under one of these directories."""
-    if not isinstance(model_path, str) or not model_path:
-        raise ValueError(f"model_path must be a checkpoint directory, got {model_path!r}")
-    disk_source.check_load_format(load_format)
-    kwargs = {
-        "model_path": model_path, "load_format": load_format,
-        "weight_version": check_version(weight_version), "allowed_roots": _roots(allowed_roots),
-    }  # fmt: skip
-    return WeightCall("update_weights_from_disk", kwargs)
+@dataclass(frozen=True)
+class UpdateWeightsFromDisk(ControlCall):
+    """Reload a checkpoint directory of the same network. allowed_roots: None reads anywhere;
+    otherwise every file opened (config, index, shards; symlinks followed) must resolve under
+    one of these directories."""
+
+    method: ClassVar[str] = "update_weights_from_disk"
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | None = None
+    allowed_roots: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise InvalidRequest(
+                f"model_path must be a checkpoint directory, got {self.model_path!r}"
+            )
+        disk_source.check_load_format(self.load_format)
+        check_version(self.weight_version)
+        settle(self, "allowed_roots", _roots(self.allowed_roots))
 
 
-def _roots(value: Any) -> list[str] | None:
+def _roots(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise TypeError(f"allowed_roots must be a list of directories or None, got {value!r:.100}")
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise InvalidRequestType(
+            f"allowed_roots must be a list of directories or None, got {value!r:.100}"
+        )
     if not all(isinstance(r, str) and r for r in value):
-        raise ValueError(f"allowed_roots must hold non-empty directory paths, got {value!r:.200}")
-    return list(value)
+        raise InvalidRequest(
+            f"allowed_roots must hold non-empty directory paths, got {value!r:.200}"
+        )
+    return tuple(value)
 
 
-def get_weights_by_name(name: str, truncate_size: int = 100) -> WeightCall:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a weight's HF name, got {name!r}")
-    if not isinstance(truncate_size, int) or isinstance(truncate_size, bool) or truncate_size < 1:
-        raise ValueError(f"truncate_size must be an int >= 1, got {truncate_size!r}")
-    return WeightCall("get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+@dataclass(frozen=True)
+class GetWeightsByName(ControlCall):
+    """The first truncate_size rows of a weight (HF name), as float lists."""
+
+    method: ClassVar[str] = "get_weights_by_name"
+    name: str
+    truncate_size: int = 100
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidRequest(f"name must be a weight's HF name, got {self.name!r}")
+        if not is_int(self.truncate_size) or self.truncate_size < 1:
+            raise InvalidRequest(f"truncate_size must be an int >= 1, got {self.truncate_size!r}")
 
 
-def update_weight_version(new_version: str, abort_all_requests: bool = False) -> WeightCall:
-    if check_version(new_version, "new_version") is None:
-        raise ValueError("new_version must be a non-empty string, got None")
-    kwargs = {"new_version": new_version, "abort_all_requests": _bool(abort_all_requests, "abort_all_requests")}
-    return WeightCall("update_weight_version", kwargs)
+@dataclass(frozen=True)
+class GetWeightVersion(ControlCall):
+    """The version label the outputs carry now."""
+
+    method: ClassVar[str] = "get_weight_version"
 
 
-def pause_generation(mode: str = "abort") -> WeightCall:
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-    return WeightCall("pause_generation", {"mode": mode})
+@dataclass(frozen=True)
+class UpdateWeightVersion(ControlCall):
+    """Publish new_version: staged updates commit under it; otherwise a relabel."""
+
+    method: ClassVar[str] = "update_weight_version"
+    new_version: str
+    abort_all_requests: bool = False
+
+    def __post_init__(self) -> None:
+        if check_version(self.new_version, "new_version") is None:
+            raise InvalidRequest("new_version must be a non-empty string, got None")
+        check_bool(self.abort_all_requests, "abort_all_requests")
 
 
-def release_memory_occupation(tags: list[str] | None = None) -> WeightCall:
-    return WeightCall("release_memory_occupation", {"tags": check_tags(tags)})
+@dataclass(frozen=True)
+class PauseGeneration(ControlCall):
+    """Stop stepping until continue_generation. abort: requests in flight end; retract: they
+    re-queue and re-prefill later; in_place: they keep their KV. Updates meanwhile are staged."""
+
+    method: ClassVar[str] = "pause_generation"
+    mode: str = "abort"
+
+    def __post_init__(self) -> None:
+        if self.mode not in PAUSE_MODES:
+            raise InvalidRequest(f"mode must be one of {', '.join(PAUSE_MODES)}, got {self.mode!r}")
 
 
-def resume_memory_occupation(tags: list[str] | None = None) -> WeightCall:
-    return WeightCall("resume_memory_occupation", {"tags": check_tags(tags)})
+@dataclass(frozen=True)
+class ContinueGeneration(ControlCall):
+    """Step again after pause_generation; the updates staged meanwhile commit first, all
+    together, under the last version they named."""
+
+    method: ClassVar[str] = "continue_generation"
 
 
-__all__ = ["BACKENDS", "DEFAULT_GROUP", "WeightCall", "WeightSyncError", "unwrap"]
+@dataclass(frozen=True)
+class _MemoryCall(ControlCall):
+    """A call on memory regions by tag: weights, kv_cache, cuda_graph (see memory.py)."""
+
+    tags: tuple[str, ...] | None = None  # None: every tag; held as the tags to act on
+
+    def __post_init__(self) -> None:
+        settle(self, "tags", tuple(check_tags(self.tags)))
+
+
+@dataclass(frozen=True)
+class ReleaseMemoryOccupation(_MemoryCall):
+    """Give back the memory of `tags` (requests in flight re-queue; new ones wait)."""
+
+    method: ClassVar[str] = "release_memory_occupation"
+
+
+@dataclass(frozen=True)
+class ResumeMemoryOccupation(_MemoryCall):
+    """Take the memory of `tags` back; weights released without a copy must be pushed again
+    before generation continues."""
+
+    method: ClassVar[str] = "resume_memory_occupation"
+
+
+WEIGHT_CALLS: tuple[type[ControlCall], ...] = (
+    InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor, UpdateWeightsFromDisk, GetWeightsByName, GetWeightVersion,
+    UpdateWeightVersion, PauseGeneration, ContinueGeneration, ReleaseMemoryOccupation,
+    ResumeMemoryOccupation,
+)  # fmt: skip

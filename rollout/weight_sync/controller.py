@@ -21,55 +21,83 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from rollout.config import EngineOptions
-from rollout.engine.messages import AbortRequest
+from rollout.config import WeightSyncOptions
+from rollout.control import ControlCall
+from rollout.errors import (
+    EXCEPTIONS,
+    Forbidden,
+    InvalidRequest,
+    RequestError,
+    WeightSyncError,
+    kind_of,
+)
 from rollout.models.loader import OutsideRootsError
 from rollout.weight_sync import disk_source, distributed_source
-from rollout.weight_sync.calls import PAUSE_MODES
-from rollout.weight_sync.deferred import Deferred
-from rollout.weight_sync.memory import MemoryOccupation, check_tags
-from rollout.weight_sync.specs import WeightSpec, build_specs, check_against_model
-from rollout.weight_sync.tensor_handles import (
-    OpenedTensors,
-    TensorHandles,
-    check_receivable,
-    open_tensors,
+from rollout.weight_sync.calls import (
+    ContinueGeneration,
+    DestroyWeightsUpdateGroup,
+    GetWeightsByName,
+    GetWeightVersion,
+    InitWeightsUpdateGroup,
+    PauseGeneration,
+    ReleaseMemoryOccupation,
+    ResumeMemoryOccupation,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+    UpdateWeightVersion,
 )
+from rollout.weight_sync.deferred import Deferred
+from rollout.weight_sync.engine_port import EnginePort
+from rollout.weight_sync.memory import MemoryOccupation
+from rollout.weight_sync.specs import WeightSpec, check_against_model
+from rollout.weight_sync.tensor_handles import OpenedTensors, check_receivable, open_tensors
 from rollout.weight_sync.transaction import HostBuffers, WeightTransaction
-from rollout.weight_sync.update_group import WeightSyncError
 from rollout.weight_sync.update_groups import UpdateGroups
 from rollout.weight_sync.versions import VersionLabels
 
 logger = logging.getLogger(__name__)
 
-PAUSED, MISSING = "paused", "weights_missing"  # scheduler holds
+PAUSED, MISSING = "paused", "weights_missing"  # why generation is held
 TP_RANK = 0  # one scheduler process per engine for now
+
+Result = dict[str, Any]
 
 
 class WeightSyncController:
-    def __init__(self, runner: Any, scheduler: Any, options: EngineOptions) -> None:
-        self.runner, self.scheduler, self.model = runner, scheduler, runner.model
-        self.opts = options.weight_sync
+    def __init__(self, engine: EnginePort, options: WeightSyncOptions) -> None:
+        self.engine, self.model = engine, engine.model
+        self.opts = options
         self.expected = self.model.hf_param_shapes()
-        self.versions = VersionLabels(scheduler.weight_version)
-        self.memory = MemoryOccupation(runner, scheduler, self.opts.enable_weights_cpu_backup)
-        self.groups = UpdateGroups(runner.device)
+        self.versions = VersionLabels(engine.weight_version)
+        self.memory = MemoryOccupation(engine, options.enable_weights_cpu_backup)
+        self.groups = UpdateGroups(engine.device)
         self.host_buffers = HostBuffers()
         self.txn: WeightTransaction | None = None  # staged while paused
         self.txn_version: str | None = None
         self.paused_mode: str | None = None
         self.missing: set[str] = set()
         self._ipc_open: OpenedTensors | None = None
+        self._handlers: dict[type[ControlCall], Callable[[Any], Result | Deferred]] = {
+            InitWeightsUpdateGroup: self.init_weights_update_group,
+            DestroyWeightsUpdateGroup: self.destroy_weights_update_group,
+            UpdateWeightsFromDistributed: self.update_weights_from_distributed,
+            UpdateWeightsFromTensor: self.update_weights_from_tensor,
+            UpdateWeightsFromDisk: self.update_weights_from_disk,
+            GetWeightsByName: self.get_weights_by_name,
+            GetWeightVersion: lambda _: {"weight_version": self.versions.current},
+            UpdateWeightVersion: self.update_weight_version,
+            PauseGeneration: self.pause_generation,
+            ContinueGeneration: self.continue_generation,
+            ReleaseMemoryOccupation: self.release_memory_occupation,
+            ResumeMemoryOccupation: self.resume_memory_occupation,
+        }
 
-    def methods(self) -> dict[str, Callable[..., dict | Deferred]]:
-        calls = (
-            self.init_weights_update_group, self.destroy_weights_update_group,
-            self.update_weights_from_distributed, self.update_weights_from_tensor,
-            self.update_weights_from_disk, self.get_weights_by_name, self.get_weight_version,
-            self.update_weight_version, self.pause_generation, self.continue_generation,
-            self.release_memory_occupation, self.resume_memory_occupation,
-        )  # fmt: skip
-        return {fn.__name__: _reported(fn) for fn in calls}
+    def run(self, call: ControlCall) -> Result | Deferred:
+        """Runs one weight call: {"success": True, "message": ..., ...}, or a Deferred of that.
+        Raises a RequestError for the caller's mistakes, WeightSyncError for anything else."""
+        handler = self._handlers[type(call)]
+        return _reported(call.method, lambda: handler(call))
 
     def info(self) -> dict[str, Any]:
         return {
@@ -81,102 +109,82 @@ class WeightSyncController:
         }
 
     # ---- update groups ----------------------------------------------------------------------
-    def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str, backend: str, timeout_s: float | None = None,
-    ) -> Deferred:  # fmt: skip
-        if backend == "nccl" and self.runner.device.type != "cuda":
-            raise ValueError("the nccl backend needs the engine on a GPU; use backend='gloo'")
+    def init_weights_update_group(self, call: InitWeightsUpdateGroup) -> Deferred:
+        if call.backend == "nccl" and self.engine.device.type != "cuda":
+            raise InvalidRequest("the nccl backend needs the engine on a GPU; use backend='gloo'")
         return self.groups.join(
-            master_address, master_port, rank_offset + TP_RANK, world_size, group_name, backend,
-            timeout_s or self.opts.weight_sync_timeout_s,
+            call.master_address, call.master_port, call.rank_offset + TP_RANK, call.world_size,
+            call.group_name, call.backend, call.timeout_s or self.opts.weight_sync_timeout_s,
         )  # fmt: skip
 
-    def destroy_weights_update_group(self, group_name: str) -> dict | Deferred:
-        retry = lambda: self.destroy_weights_update_group(group_name)  # noqa: E731
-        return self.groups.after_join(group_name, retry) or self.groups.leave(group_name)
+    def destroy_weights_update_group(self, call: DestroyWeightsUpdateGroup) -> Result | Deferred:
+        retry = lambda: self.destroy_weights_update_group(call)  # noqa: E731
+        return self.groups.after_join(call.group_name, retry) or self.groups.leave(call.group_name)
 
     # ---- the three sources ------------------------------------------------------------------
     def update_weights_from_distributed(
-        self, names: list, dtypes: list, shapes: list, group_name: str,
-        flush_cache: bool = True, weight_version: str | None = None, load_format: str | None = None,
-    ) -> dict | Deferred:  # fmt: skip
-        # NOTE: flush_cache is accepted for SGLang's signature; KV from older weights is never
-        # reused whatever it says (see Scheduler.publish_weight_version).
-        args = names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
-        retry = lambda: self.update_weights_from_distributed(*args)  # noqa: E731
-        waiting = self.groups.after_join(group_name, retry)
+        self, call: UpdateWeightsFromDistributed
+    ) -> Result | Deferred:
+        retry = lambda: self.update_weights_from_distributed(call)  # noqa: E731
+        waiting = self.groups.after_join(call.group_name, retry)
         if waiting is not None:
             return waiting
         with self._all_or_nothing():
-            return self._from_distributed(names, dtypes, shapes, group_name, weight_version, load_format)
+            group = self.groups.get(call.group_name)
+            specs = call.specs
+            units = distributed_source.broadcast_units(specs, call.load_format)
+            try:
+                self._check(specs, exact_dtype=True)
+            except RequestError:
+                distributed_source.drain(group, units)  # the trainer is sending: let it finish
+                raise
+            stream = lambda: distributed_source.receive(group, units)  # noqa: E731
+            return self._update(specs, stream, True, streamed=True, version=call.weight_version)
 
-    def _from_distributed(
-        self, names: list, dtypes: list, shapes: list, group_name: str, weight_version: str | None,
-        load_format: str | None,
-    ) -> dict:  # fmt: skip
-        distributed_source.check_load_format(load_format)
-        group = self.groups.get(group_name)
-        specs = build_specs(names, dtypes, shapes)
-        units = distributed_source.broadcast_units(specs, load_format)
-        try:
-            self._check(specs, exact_dtype=True)
-        except ValueError:
-            distributed_source.drain(group, units)  # the trainer is sending: let it finish
-            raise
-        stream = lambda: distributed_source.receive(group, units)  # noqa: E731
-        return self._update(specs, stream, True, streamed=True, version=weight_version)
-
-    def update_weights_from_tensor(
-        self, handles: dict, flush_cache: bool = True, weight_version: str | None = None
-    ) -> dict:
+    def update_weights_from_tensor(self, call: UpdateWeightsFromTensor) -> Result:
         with self._all_or_nothing():
-            return self._from_tensor(handles, weight_version)
+            handles = call.tensor_handles
+            check_receivable(handles)
+            opened: list[OpenedTensors] = []
 
-    def _from_tensor(self, handles: dict, weight_version: str | None) -> dict:
-        parsed = TensorHandles.from_json(handles)
-        check_receivable(parsed)
-        opened: list[OpenedTensors] = []
+            def source() -> Iterable:
+                opened.append(open_tensors(handles))
+                return opened[0].named
 
-        def source() -> Iterable:
-            opened.append(open_tensors(parsed))
-            return opened[0].named
+            try:
+                return self._update(handles.specs, source, True, False, call.weight_version)
+            finally:
+                if opened and handles.kind == "cuda":
+                    # CUDA handles stay open until the next call (opened before the previous
+                    # ones close): a sender reusing its buffers then hits torch's cache of
+                    # open handles.
+                    previous, self._ipc_open = self._ipc_open, opened[0]
+                    if previous is not None:
+                        previous.close()
+                elif opened:
+                    opened[0].close()
 
-        try:
-            return self._update(parsed.specs, source, True, streamed=False, version=weight_version)
-        finally:
-            if opened and parsed.kind == "cuda":
-                # CUDA handles stay open until the next call (opened before the previous ones
-                # close): a sender reusing its buffers then hits torch's cache of open handles.
-                previous, self._ipc_open = self._ipc_open, opened[0]
-                if previous is not None:
-                    previous.close()
-            elif opened:
-                opened[0].close()
-
-    def update_weights_from_disk(
-        self, model_path: str, load_format: str | None = None, weight_version: str | None = None,
-        allowed_roots: list[str] | None = None,
-    ) -> dict:  # fmt: skip
-        """allowed_roots: every file opened must resolve under one of them (None: anywhere)."""
+    def update_weights_from_disk(self, call: UpdateWeightsFromDisk) -> Result:
+        """Every file opened must resolve under one of call.allowed_roots (None: anywhere)."""
         with self._all_or_nothing():
-            return self._from_disk(model_path, load_format, weight_version, allowed_roots)
+            path, roots = call.model_path, call.allowed_roots
+            with _checkpoint_errors():
+                disk_source.check_config(path, self.engine.hf_config, roots)
+                found = disk_source.read_specs(path, roots)
+            specs = [spec for _, spec in found.values()]
+            keep = self._check(specs, exact_dtype=False)
+            lacking = sorted(set(self.expected) - {s.name for s in keep})
+            if lacking:
+                raise InvalidRequest(
+                    f"checkpoint {path!r} lacks {len(lacking)} weights, e.g. {lacking[:3]}"
+                )
+            names = [s.name for s in specs]
 
-    def _from_disk(
-        self, model_path: str, load_format: str | None, weight_version: str | None,
-        roots: list[str] | None,
-    ) -> dict:  # fmt: skip
-        disk_source.check_load_format(load_format)
-        disk_source.check_config(model_path, self.runner.hf_config, roots)
-        found = disk_source.read_specs(model_path, roots)
-        specs = [spec for _, spec in found.values()]
-        keep = self._check(specs, exact_dtype=False)
-        lacking = sorted(set(self.expected) - {s.name for s in keep})
-        if lacking:
-            raise ValueError(f"checkpoint {model_path!r} lacks {len(lacking)} weights, e.g. {lacking[:3]}")
-        names = [s.name for s in specs]
-        read = lambda: disk_source.read_tensors(found, names, model_path, roots)  # noqa: E731
-        return self._update(specs, read, False, streamed=False, version=weight_version)
+            def read() -> list:
+                with _checkpoint_errors():
+                    return disk_source.read_tensors(found, names, path, roots)
+
+            return self._update(specs, read, False, streamed=False, version=call.weight_version)
 
     # ---- the one update path ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -188,22 +196,22 @@ class WeightSyncController:
         except Exception as e:
             if self.txn is None:
                 raise  # nothing staged, or `_update` already rolled it back
-            raise _failure_kind(e)(self._roll_back(self.txn, e)) from e
+            raise _failure(e, self._roll_back(self.txn, e)) from e
 
     def _check(self, specs: list[WeightSpec], exact_dtype: bool) -> list[WeightSpec]:
         if "weights" in self.memory.released:
-            raise ValueError("the weights are released; call resume_memory_occupation first")
+            raise InvalidRequest("the weights are released; call resume_memory_occupation first")
         return check_against_model(specs, self.expected, self.model.is_ignored_weight, exact_dtype)
 
     def _update(
         self, specs: list[WeightSpec], source: Callable[[], Iterable], exact_dtype: bool,
         streamed: bool, version: str | None,
-    ) -> dict:  # fmt: skip
+    ) -> Result:  # fmt: skip
         """Validates `specs`, then loads what `source()` yields. A `streamed` source may fail
         midway, so it is loaded with a backup; the others hold every tensor before the first
         write. While paused the update joins the staged transaction instead of committing."""
         self._check(specs, exact_dtype)
-        staged = PAUSED in self.scheduler.holds
+        staged = PAUSED in self.engine.held_by()
         txn = self.txn
         if txn is None:
             backup = self.opts.weight_update_backup if streamed or staged else None
@@ -213,20 +221,21 @@ class WeightSyncController:
                 txn.load(name, tensor)
             txn.wait()
         except Exception as e:
-            raise _failure_kind(e)(self._roll_back(txn, e)) from e
+            raise _failure(e, self._roll_back(txn, e)) from e
         if staged:
             self.txn, self.txn_version = txn, version or self.txn_version
-            return {"message": f"staged {len(specs)} tensors; they apply at continue_generation", "staged": True}
+            message = f"staged {len(specs)} tensors; they apply at continue_generation"
+            return {"message": message, "staged": True}
         return self._commit(txn, version)
 
-    def _commit(self, txn: WeightTransaction, version: str | None) -> dict:
+    def _commit(self, txn: WeightTransaction, version: str | None) -> Result:
         names = txn.commit()
         self.txn, self.txn_version = None, None
         self.missing.difference_update(names)
         if not self.missing:
-            self.scheduler.holds.discard(MISSING)
+            self.engine.release_hold(MISSING)
         label = self.versions.publish(version)
-        self.scheduler.publish_weight_version(label, weights_changed=True)
+        self.engine.publish_weight_version(label, weights_changed=True)
         return {"message": f"loaded {len(names)} weights", "weight_version": label}
 
     def _roll_back(self, txn: WeightTransaction, error: Exception) -> str:
@@ -236,96 +245,105 @@ class WeightSyncController:
         complete = txn.rollback()
         scope = "every update staged since the pause was" if staged else "the update was"
         if complete:
-            return f"{error}; {scope} rolled back: the weights and version {self.versions.current!r} are unchanged"
+            current = self.versions.current
+            return (
+                f"{error}; {scope} rolled back: the weights and version {current!r} are "
+                "unchanged"
+            )
         self.missing.update(lost)
-        self.scheduler.holds.add(MISSING)
+        self.engine.hold(MISSING)
         return (
             f"{error}; {len(lost)} weights were overwritten with no backup to restore, e.g. "
             f"{lost[:3]}: generation waits until they are pushed again"
         )
 
     # ---- reading and versions ---------------------------------------------------------------
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict:
+    def get_weights_by_name(self, call: GetWeightsByName) -> Result:
         if "weights" in self.memory.released:
-            raise ValueError("the weights are released; call resume_memory_occupation first")
+            raise InvalidRequest("the weights are released; call resume_memory_occupation first")
         try:
-            view = self.model.hf_weight(name)
+            view = self.model.hf_weight(call.name)
         except KeyError:
-            raise ValueError(f"unknown weight name {name!r}") from None
-        return {"values": view[:truncate_size].float().cpu().tolist()}
+            raise InvalidRequest(f"unknown weight name {call.name!r}") from None
+        return {"values": view[: call.truncate_size].float().cpu().tolist()}
 
-    def get_weight_version(self) -> dict:
-        return {"weight_version": self.versions.current}
-
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
-        """Publishes `new_version`: staged updates commit under it; otherwise a relabel."""
-        if abort_all_requests:
-            self.scheduler.abort(AbortRequest(abort_all=True))
+    def update_weight_version(self, call: UpdateWeightVersion) -> Result:
+        """Publishes call.new_version: staged updates commit under it; otherwise a relabel."""
+        if call.abort_all_requests:
+            self.engine.abort_all()
         if self.txn is not None:
-            return self._commit(self.txn, new_version)
-        label = self.versions.publish(new_version)
-        self.scheduler.publish_weight_version(label, weights_changed=False)
+            return self._commit(self.txn, call.new_version)
+        label = self.versions.publish(call.new_version)
+        self.engine.publish_weight_version(label, weights_changed=False)
         return {"weight_version": label}
 
     # ---- pausing and memory -----------------------------------------------------------------
-    def pause_generation(self, mode: str = "abort") -> dict:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-        affected = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if mode == "abort":
-            self.scheduler.abort(AbortRequest(abort_all=True))
-        elif mode == "retract":
-            affected = self.scheduler.retract_all()
-        self.scheduler.holds.add(PAUSED)
-        self.paused_mode = mode
-        return {"message": f"paused ({mode}); {affected} requests affected"}
+    def pause_generation(self, call: PauseGeneration) -> Result:
+        affected = self.engine.count_requests()
+        if call.mode == "abort":
+            self.engine.abort_all()
+        elif call.mode == "retract":
+            affected = self.engine.retract_all()
+        self.engine.hold(PAUSED)
+        self.paused_mode = call.mode
+        return {"message": f"paused ({call.mode}); {affected} requests affected"}
 
-    def continue_generation(self) -> dict:
+    def continue_generation(self, call: ContinueGeneration) -> Result:
         out = self._commit(self.txn, self.txn_version) if self.txn is not None else {}
-        self.scheduler.holds.discard(PAUSED)
+        self.engine.release_hold(PAUSED)
         self.paused_mode = None
-        waiting = sorted(h for h in self.scheduler.holds)
+        waiting = self.engine.held_by()
         note = f"; still held: {', '.join(waiting)}" if waiting else ""
         return {**out, "message": f"generation continues{note}"}
 
-    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+    def release_memory_occupation(self, call: ReleaseMemoryOccupation) -> Result:
         if self.txn is not None:
-            raise ValueError("an update is staged; continue_generation (or update_weight_version) first")
-        return self.memory.release(check_tags(tags))
+            raise InvalidRequest(
+                "an update is staged; continue_generation (or update_weight_version) first"
+            )
+        return self.memory.release(list(call.tags))
 
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        out = self.memory.resume(check_tags(tags))
+    def resume_memory_occupation(self, call: ResumeMemoryOccupation) -> Result:
+        out = self.memory.resume(list(call.tags))
         if out["weights_lost"]:
             self.missing = set(self.expected)
-            self.scheduler.holds.add(MISSING)
+            self.engine.hold(MISSING)
         return out
 
 
-def _failure_kind(error: Exception) -> type[Exception]:
-    """What a failed update raises, its message saying what was rolled back."""
-    if isinstance(error, OutsideRootsError):
-        return OutsideRootsError
-    return ValueError if isinstance(error, (ValueError, TypeError)) else WeightSyncError
+@contextlib.contextmanager
+def _checkpoint_errors() -> Iterator[None]:
+    """The checkpoint loader (rollout.models.loader) refuses a file outside the allowed roots
+    with OutsideRootsError and a malformed one with ValueError: both are the caller's to fix."""
+    try:
+        yield
+    except RequestError:
+        raise
+    except OutsideRootsError as e:
+        raise Forbidden(str(e)) from e
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from e
 
 
-def _reported(fn: Callable[..., dict | Deferred]) -> Callable[..., dict | Deferred]:
-    """Runs a control call; its result, or its failure as {"success": False, ...}."""
-    return lambda **kwargs: _outcome(fn.__name__, lambda: fn(**kwargs))
+def _failure(error: Exception, message: str) -> Exception:
+    """What a failed update raises, `message` saying what was rolled back: the caller's mistake
+    stays one (InvalidRequest, Forbidden); anything else is a failed transfer."""
+    return EXCEPTIONS[kind_of(error, "weight_sync")](message)
 
 
-def _outcome(name: str, run: Callable[[], dict | Deferred]) -> dict | Deferred:
+def _reported(method: str, run: Callable[[], Result | Deferred]) -> Result | Deferred:
+    """Runs a call: its result with success, or a Deferred of it; a failure that is neither the
+    caller's mistake nor a failed transfer (a bug) is logged and raised as WeightSyncError."""
     try:
         out = run()
-    except (ValueError, TypeError, KeyError) as e:
-        return {"success": False, "error": type(e).__name__, "message": str(e)}
-    except OutsideRootsError as e:
-        return {"success": False, "error": "PermissionError", "message": str(e)}
+    except RequestError:
+        raise
     except WeightSyncError as e:
-        logger.warning("%s failed: %s", name, e)
-        return {"success": False, "error": "WeightSyncError", "message": str(e)}
+        logger.warning("%s failed: %s", method, e)
+        raise
     except Exception as e:  # noqa: BLE001 - every failure must reach the caller
-        logger.exception("%s failed", name)
-        return {"success": False, "error": "WeightSyncError", "message": f"{type(e).__name__}: {e}"}
+        logger.exception("%s failed", method)
+        raise WeightSyncError(f"{type(e).__name__}: {e}") from e
     if isinstance(out, Deferred):
-        return Deferred(out.done, lambda: _outcome(name, out.finish))
+        return Deferred(out.done, lambda: _reported(method, out.finish))
     return {"success": True, "message": "", **out}

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from rollout.errors import InvalidRequest
 from rollout.models.loader import open_checked, safetensors_files, shard_label
 from rollout.weight_sync.specs import WeightSpec
 
@@ -62,7 +63,9 @@ _ST_DTYPES = {
 
 def check_load_format(load_format: Any) -> None:
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format for a disk update must be None, auto or safetensors, got {load_format!r}")
+        raise InvalidRequest(
+            f"load_format for a disk update must be None, auto or safetensors, got {load_format!r}"
+        )
 
 
 def check_config(model_path: str, serving: Any, roots: Sequence[str] | None = None) -> None:
@@ -72,21 +75,23 @@ def check_config(model_path: str, serving: Any, roots: Sequence[str] | None = No
 
     path = os.path.join(model_path, "config.json")
     if not os.path.lexists(path):
-        raise ValueError(f"model_path must be a checkpoint directory with config.json, got {model_path!r}")
+        raise InvalidRequest(
+            f"model_path must be a checkpoint directory with config.json, got {model_path!r}"
+        )
     with open_checked(path, "config.json", roots) as readable:
         try:
             new = AutoConfig.from_pretrained(readable)
         except (OSError, ValueError, json.JSONDecodeError) as e:
             # Name the file as the caller knows it, not by the descriptor path read here.
             reason = str(e).replace(readable, "config.json")[:300]
-            raise ValueError(f"cannot read the config of {model_path!r}: {reason}") from e
+            raise InvalidRequest(f"cannot read the config of {model_path!r}: {reason}") from e
     diffs = []
     for key in COMPATIBLE_FIELDS:
         old_value, new_value = getattr(serving, key, None), getattr(new, key, None)
         if _normalized(old_value) != _normalized(new_value):
             diffs.append(f"{key}: serving {old_value!r}, checkpoint {new_value!r}")
     if diffs:
-        raise ValueError(
+        raise InvalidRequest(
             f"checkpoint {model_path!r} is a different network from the one serving "
             f"({'; '.join(diffs[:4])}); restart the engine to change models"
         )
@@ -106,7 +111,7 @@ def read_specs(model_path: str, roots: Sequence[str] | None = None) -> Found:
     try:
         files = safetensors_files(model_path, roots)
     except FileNotFoundError as e:
-        raise ValueError(f"no readable safetensors weights in {model_path!r}: {e}") from e
+        raise InvalidRequest(f"no readable safetensors weights in {model_path!r}: {e}") from e
     out: Found = {}
     for path in files:
         label = shard_label(path, model_path)
@@ -118,13 +123,13 @@ def read_specs(model_path: str, roots: Sequence[str] | None = None) -> Found:
                         dtype = _ST_DTYPES.get(piece.get_dtype())
                         if dtype is None:
                             kind = piece.get_dtype()
-                            raise ValueError(f"{name} in {label} has unsupported dtype {kind}")
+                            raise InvalidRequest(f"{name} in {label} has unsupported dtype {kind}")
                         if name in out:
                             first = shard_label(out[name][0], model_path)
-                            raise ValueError(f"{name} appears in both {first} and {label}")
+                            raise InvalidRequest(f"{name} appears in both {first} and {label}")
                         out[name] = (path, WeightSpec(name, tuple(piece.get_shape()), dtype))
             except (SafetensorError, OSError) as e:
-                raise ValueError(f"cannot read {label}: {e}") from e
+                raise InvalidRequest(f"cannot read {label}: {e}") from e
     return out
 
 
@@ -146,8 +151,8 @@ def read_tensors(
                         tensor = f.get_tensor(name)
                         spec = specs[name][1]
                         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-                            raise ValueError(f"{name} in {label} does not match its header")
+                            raise InvalidRequest(f"{name} in {label} does not match its header")
                         out.append((name, tensor))
             except (SafetensorError, OSError, RuntimeError) as e:
-                raise ValueError(f"cannot read {label}: {e}") from e
+                raise InvalidRequest(f"cannot read {label}: {e}") from e
     return out

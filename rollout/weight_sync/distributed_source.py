@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from rollout.errors import InvalidRequest
 from rollout.weight_sync.specs import WeightSpec
 from rollout.weight_sync.update_group import UpdateGroup
 
@@ -22,7 +23,7 @@ LOAD_FORMATS = (None, "flattened_bucket")
 
 def check_load_format(load_format: object) -> None:
     if load_format not in LOAD_FORMATS:
-        raise ValueError(
+        raise InvalidRequest(
             f"load_format for a distributed update must be None or flattened_bucket, got {load_format!r}"
         )
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from rollout.forward import memory_regions
+from rollout.errors import InvalidRequest
 from rollout.forward.memory_regions import TAGS
+from rollout.weight_sync.engine_port import EnginePort, WeightModel
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +33,12 @@ def check_tags(tags: Any) -> list[str]:
     if tags is None:
         return list(TAGS)
     if isinstance(tags, str) or not isinstance(tags, (list, tuple)) or not tags:
-        raise ValueError(f"tags must be None or a non-empty list of {', '.join(TAGS)}, got {tags!r}")
+        raise InvalidRequest(
+            f"tags must be None or a non-empty list of {', '.join(TAGS)}, got {tags!r}"
+        )
     bad = [t for t in tags if t not in TAGS]
     if bad:
-        raise ValueError(f"memory tags must be among {', '.join(TAGS)}, got {bad}")
+        raise InvalidRequest(f"memory tags must be among {', '.join(TAGS)}, got {bad}")
     return [t for t in TAGS if t in tags]
 
 
@@ -43,7 +46,7 @@ class PinnedWeightCopy:
     """The model's parameters mirrored in one pinned host buffer: `save` before their device
     memory is released, `restore` once it is back. Tied parameters are copied once."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: WeightModel) -> None:
         self.params = [p.data for p in model.parameters()]
         total = sum(p.numel() * p.element_size() for p in self.params)
         flat = torch.empty(total, dtype=torch.uint8, pin_memory=True)
@@ -67,73 +70,68 @@ class PinnedWeightCopy:
 
 
 class MemoryOccupation:
-    def __init__(self, runner: Any, scheduler: Any, weights_cpu_backup: bool) -> None:
-        self.runner = runner
-        self.scheduler = scheduler
+    def __init__(self, engine: EnginePort, weights_cpu_backup: bool) -> None:
+        self.engine = engine
         # Only where a release really gives the weights' memory back is a copy needed.
         self.weight_copy: PinnedWeightCopy | None = None
-        if weights_cpu_backup and memory_regions.is_releasable(runner.device):
-            self.weight_copy = PinnedWeightCopy(runner.model)
+        if weights_cpu_backup and engine.releases_memory:
+            self.weight_copy = PinnedWeightCopy(engine.model)
         self.released: set[str] = set()
         # Model buffers (rotary frequencies) are no weights a trainer pushes: kept on the host
         # across a release of the weights region, put back on resume.
         self._buffers: dict[str, torch.Tensor] = {}
         self.weights_lost = False  # the weights' memory was given back without a copy
 
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
-
     def release(self, tags: list[str]) -> dict[str, Any]:
         """Releases the tags not yet released. Returns what happened."""
+        engine = self.engine
         todo = [t for t in tags if t not in self.released]
-        if todo and self.device.type == "cuda" and not memory_regions.is_releasable(self.device):
+        if todo and engine.device.type == "cuda" and not engine.releases_memory:
             logger.warning("torch-memory-saver is not installed: releasing keeps the GPU memory")
         retracted = 0
-        self.scheduler.holds.add(HOLD)
+        engine.hold(HOLD)
         if "kv_cache" in todo:
-            retracted = self.scheduler.retract_all()
-            self.scheduler.kv.flush()  # the retracted requests' KV goes with the pool
-            if not memory_regions.release("kv_cache", self.device) and self.device.type == "cpu":
-                self.runner.kv_pool.free()
+            retracted = engine.retract_all()
+            engine.flush_prefix_cache()  # the retracted requests' KV goes with the pool
+            engine.release_region("kv_cache")
         if "weights" in todo:
-            model = self.runner.model
-            self._buffers = {n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()}
+            named = engine.model.named_buffers()
+            self._buffers = {n: b.detach().to("cpu", copy=True) for n, b in named}
             if self.weight_copy is not None:
                 self.weight_copy.save()
-            if memory_regions.release("weights", self.device) and self.weight_copy is None:
+            if engine.release_region("weights") and self.weight_copy is None:
                 self.weights_lost = True
         if "cuda_graph" in todo:
-            memory_regions.release("cuda_graph", self.device)
+            engine.release_region("cuda_graph")
         self.released.update(todo)
         return {"released": todo, "retracted_requests": retracted}
 
     def resume(self, tags: list[str]) -> dict[str, Any]:
         """Resumes the released tags among `tags`. `weights_lost` in the result: the weights came
         back without their values, and must be pushed before generation continues."""
+        engine = self.engine
         todo = [t for t in tags if t in self.released]
         lost = False
         if "weights" in todo:
-            memory_regions.resume("weights", self.device)
+            engine.resume_region("weights")
             if self.weight_copy is not None:
                 self.weight_copy.restore()
             with torch.no_grad():
                 for name, saved in self._buffers.items():
-                    self.runner.model.get_buffer(name).copy_(saved)
+                    engine.model.get_buffer(name).copy_(saved)
             self._buffers = {}
             lost, self.weights_lost = self.weights_lost, False
         if "kv_cache" in todo:
-            if not memory_regions.resume("kv_cache", self.device) and self.device.type == "cpu":
-                self.runner.kv_pool.allocate()
+            engine.resume_region("kv_cache")
         if "cuda_graph" in todo:
-            memory_regions.resume("cuda_graph", self.device)
+            engine.resume_region("cuda_graph")
         self.released.difference_update(todo)
         if not self.released:
-            self.scheduler.holds.discard(HOLD)
+            engine.release_hold(HOLD)
         return {"resumed": todo, "weights_lost": lost}
 
     def info(self) -> dict[str, Any]:
         return {
             "memory_released": sorted(self.released),
-            "kv_cache_bytes": 0 if "kv_cache" in self.released else self.runner.kv_pool.nbytes,
+            "kv_cache_bytes": 0 if "kv_cache" in self.released else self.engine.kv_cache_bytes,
         }

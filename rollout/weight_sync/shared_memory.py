@@ -16,6 +16,8 @@ from multiprocessing import shared_memory
 
 import torch
 
+from rollout.errors import InvalidRequest
+
 PREFIX = "rollout-w-"
 _NAME = re.compile(r"^rollout-w-[0-9a-f]{32}$")
 _SHM_DIR = "/dev/shm"
@@ -23,7 +25,9 @@ _SHM_DIR = "/dev/shm"
 
 def check_block_name(name: object) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"shared-memory name must look like {PREFIX}<32 hex digits>, got {name!r}")
+        raise InvalidRequest(
+            f"shared-memory name must look like {PREFIX}<32 hex digits>, got {name!r}"
+        )
     return name
 
 
@@ -66,11 +70,15 @@ class MappedBlock:
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError as e:
-            raise ValueError(f"no shared-memory block named {name!r} (did the sender close it?)") from e
+            raise InvalidRequest(
+                f"no shared-memory block named {name!r} (did the sender close it?)"
+            ) from e
         try:
             size = os.fstat(fd).st_size
             if size < nbytes:
-                raise ValueError(f"shared-memory block {name!r} holds {size} bytes, fewer than {nbytes}")
+                raise InvalidRequest(
+                    f"shared-memory block {name!r} holds {size} bytes, fewer than {nbytes}"
+                )
             self._map = mmap.mmap(fd, max(nbytes, 1)) if nbytes else None
         finally:
             os.close(fd)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from rollout.errors import InvalidRequest, InvalidRequestType
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -50,7 +52,7 @@ def parse_dtype(value: Any) -> torch.dtype:
         return value
     if isinstance(value, str) and value.removeprefix("torch.") in DTYPES:
         return DTYPES[value.removeprefix("torch.")]
-    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+    raise InvalidRequest(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -60,7 +62,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def parse_shape(value: Any, name: str) -> tuple[int, ...]:
     ok = isinstance(value, (list, tuple)) and len(value) <= MAX_DIMS
     if not ok or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
-        raise ValueError(
+        raise InvalidRequest(
             f"shape of {name!r} must be a list of at most {MAX_DIMS} non-negative ints, got {value!r}"
         )
     return tuple(value)
@@ -68,7 +70,7 @@ def parse_shape(value: Any, name: str) -> tuple[int, ...]:
 
 def check_name(value: Any) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_LEN:
-        raise ValueError(f"a weight name must be a non-empty string, got {value!r}")
+        raise InvalidRequest(f"a weight name must be a non-empty string, got {value!r}")
     return value
 
 
@@ -76,14 +78,14 @@ def build_specs(names: Sequence[Any], dtypes: Sequence[Any], shapes: Sequence[An
     """Specs from parallel lists (the distributed call's arguments); names must be unique."""
     for label, seq in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
         if not isinstance(seq, (list, tuple)):
-            raise TypeError(f"{label} must be a list, got {type(seq).__name__}")
+            raise InvalidRequestType(f"{label} must be a list, got {type(seq).__name__}")
     if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(
+        raise InvalidRequest(
             f"names, dtypes and shapes must have one entry per tensor, got "
             f"{len(names)}, {len(dtypes)} and {len(shapes)}"
         )
     if not names:
-        raise ValueError("an update needs at least one tensor, got none")
+        raise InvalidRequest("an update needs at least one tensor, got none")
     specs = [
         WeightSpec(check_name(n), parse_shape(s, n), parse_dtype(d))
         for n, d, s in zip(names, dtypes, shapes)
@@ -96,7 +98,9 @@ def check_unique(names: Sequence[str]) -> None:
     seen: set[str] = set()
     dup = [n for n in names if n in seen or seen.add(n)]
     if dup:
-        raise ValueError(f"each weight may appear once per update; repeated: {sorted(set(dup))[:5]}")
+        raise InvalidRequest(
+            f"each weight may appear once per update; repeated: {sorted(set(dup))[:5]}"
+        )
 
 
 def check_against_model(
@@ -132,5 +136,5 @@ def check_against_model(
         hint = " (cast on the sending side to the engine's dtype)" if exact_dtype else ""
         problems.append(f"{len(dtypes)} dtype mismatch(es){hint}: {'; '.join(dtypes[:3])}")
     if problems:
-        raise ValueError("the update does not fit the model: " + "; ".join(problems))
+        raise InvalidRequest("the update does not fit the model: " + "; ".join(problems))
     return keep

@@ -7,7 +7,7 @@ field, and the receiver maps nothing but IPC handles and blocks with our name pr
 
     sent = share_tensors(named_or_buckets)      # sender; keep `sent` until the receiver is done
     payload = sent.handles.to_json()            # JSON-safe dict
-    opened = open_tensors(TensorHandles.from_json(payload))   # receiver
+    opened = open_tensors(TensorHandles.from_json(payload))   # receiver (checks every field)
     ... opened.named ...; opened.close(); later sent.close()
 """
 
@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from rollout.control import settle
+from rollout.errors import InvalidRequest, InvalidRequestType
 from rollout.weight_sync.flat_bucket import FlatBucket
 from rollout.weight_sync.shared_memory import MappedBlock, check_block_name
 from rollout.weight_sync.specs import (
@@ -37,36 +39,42 @@ MAX_BUFFERS = 100_000
 MAX_TENSORS = 1_000_000
 _CUDA_INTS = ("device", "nbytes", "offset", "ref_counter_offset")
 _CUDA_BYTES = ("handle", "ref_counter_handle", "event_handle")
+_CUDA_KEYS = {*_CUDA_INTS, *_CUDA_BYTES, "event_sync_required"}
 
 
 @dataclass(frozen=True)
 class TensorHandles:
-    """Validated reference form: `buffers` (IPC handles or block names) and `tensors`
-    (name, dtype, shape, buffer index, byte offset)."""
+    """Reference form, checked field by field where it is built (the sender's own handles as
+    well as ones from the network): `buffers` (IPC handles or block names) and `tensors` (name,
+    dtype, shape, buffer index, byte offset). InvalidRequest names the first bad field."""
 
     kind: str  # "cuda" | "cpu"
     buffers: list[dict[str, Any]]
     tensors: list[dict[str, Any]]
+
+    def __post_init__(self) -> None:
+        kind, buffers, tensors = self.kind, self.buffers, self.tensors
+        if kind not in ("cuda", "cpu"):
+            raise InvalidRequest(f"tensor handles kind must be cuda or cpu, got {kind!r}")
+        if not isinstance(buffers, list) or not 0 < len(buffers) <= MAX_BUFFERS:
+            raise InvalidRequest(f"buffers must be a list of 1 to {MAX_BUFFERS} entries")
+        if not isinstance(tensors, list) or not 0 < len(tensors) <= MAX_TENSORS:
+            raise InvalidRequest(f"tensors must be a list of 1 to {MAX_TENSORS} entries")
+        check = _check_cuda_buffer if kind == "cuda" else _check_cpu_buffer
+        checked = [check(b) for b in buffers]
+        out = [_check_tensor(t, checked) for t in tensors]
+        check_unique([t["name"] for t in out])
+        settle(self, "buffers", checked)
+        settle(self, "tensors", out)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "kind": self.kind, "buffers": self.buffers, "tensors": self.tensors}
 
     @classmethod
     def from_json(cls, obj: Any) -> TensorHandles:
-        """Checks every field; ValueError/TypeError name the first bad one."""
         if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-            raise ValueError(f"tensor handles must be an object with format {FORMAT!r}")
-        kind, buffers, tensors = obj.get("kind"), obj.get("buffers"), obj.get("tensors")
-        if kind not in ("cuda", "cpu"):
-            raise ValueError(f"tensor handles kind must be cuda or cpu, got {kind!r}")
-        if not isinstance(buffers, list) or not 0 < len(buffers) <= MAX_BUFFERS:
-            raise ValueError(f"buffers must be a list of 1 to {MAX_BUFFERS} entries")
-        if not isinstance(tensors, list) or not 0 < len(tensors) <= MAX_TENSORS:
-            raise ValueError(f"tensors must be a list of 1 to {MAX_TENSORS} entries")
-        checked = [_check_cuda_buffer(b) if kind == "cuda" else _check_cpu_buffer(b) for b in buffers]
-        out = [_check_tensor(t, checked) for t in tensors]
-        check_unique([t["name"] for t in out])
-        return cls(kind, checked, out)
+            raise InvalidRequest(f"tensor handles must be an object with format {FORMAT!r}")
+        return cls(obj.get("kind"), obj.get("buffers"), obj.get("tensors"))
 
     @property
     def specs(self) -> list[WeightSpec]:
@@ -75,7 +83,7 @@ class TensorHandles:
 
 def _int(value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{what} must be a non-negative int, got {value!r}")
+        raise InvalidRequest(f"{what} must be a non-negative int, got {value!r}")
     return value
 
 
@@ -83,37 +91,41 @@ def _b64(value: Any, what: str) -> str:
     try:
         base64.b64decode(value, validate=True)
     except (binascii.Error, TypeError, ValueError) as e:
-        raise ValueError(f"{what} must be base64 text") from e
+        raise InvalidRequest(f"{what} must be base64 text") from e
     return value
 
 
 def _check_cpu_buffer(b: Any) -> dict[str, Any]:
     if not isinstance(b, dict) or set(b) != {"shm", "nbytes"}:
-        raise ValueError("a cpu buffer must be {shm, nbytes}")
+        raise InvalidRequest("a cpu buffer must be {shm, nbytes}")
     return {"shm": check_block_name(b["shm"]), "nbytes": _int(b["nbytes"], "nbytes")}
 
 
 def _check_cuda_buffer(b: Any) -> dict[str, Any]:
-    if not isinstance(b, dict) or set(b) != {*_CUDA_INTS, *_CUDA_BYTES, "event_sync_required"}:
-        raise ValueError(f"a cuda buffer must have exactly {sorted({*_CUDA_INTS, *_CUDA_BYTES, 'event_sync_required'})}")
+    if not isinstance(b, dict) or set(b) != _CUDA_KEYS:
+        raise InvalidRequest(
+            f"a cuda buffer must have exactly {sorted(_CUDA_KEYS)}"
+        )
     out: dict[str, Any] = {k: _int(b[k], k) for k in _CUDA_INTS}
     out.update({k: _b64(b[k], k) for k in _CUDA_BYTES})
     if not isinstance(b["event_sync_required"], bool):
-        raise ValueError("event_sync_required must be a bool")
+        raise InvalidRequest("event_sync_required must be a bool")
     out["event_sync_required"] = b["event_sync_required"]
     return out
 
 
 def _check_tensor(t: Any, buffers: list[dict[str, Any]]) -> dict[str, Any]:
     if not isinstance(t, dict) or set(t) != {"name", "dtype", "shape", "buffer", "offset"}:
-        raise ValueError("a tensor must be {name, dtype, shape, buffer, offset}")
+        raise InvalidRequest("a tensor must be {name, dtype, shape, buffer, offset}")
     name = check_name(t["name"])
     spec = WeightSpec(name, parse_shape(t["shape"], name), parse_dtype(t["dtype"]))
     index, offset = _int(t["buffer"], "buffer"), _int(t["offset"], "offset")
     if index >= len(buffers):
-        raise ValueError(f"{name}: buffer {index} does not exist ({len(buffers)} given)")
+        raise InvalidRequest(f"{name}: buffer {index} does not exist ({len(buffers)} given)")
     if offset % spec.dtype.itemsize or offset + spec.nbytes > buffers[index]["nbytes"]:
-        raise ValueError(f"{name}: {spec.nbytes} bytes at offset {offset} do not fit buffer {index}")
+        raise InvalidRequest(
+            f"{name}: {spec.nbytes} bytes at offset {offset} do not fit buffer {index}"
+        )
     return {"name": name, "dtype": dtype_name(spec.dtype), "shape": list(spec.shape), "buffer": index, "offset": offset}
 
 
@@ -141,16 +153,20 @@ def share_tensors(source: Sequence[tuple[str, torch.Tensor]] | FlatBucket | Sequ
         source = [source]
     source = list(source)
     if not source:
-        raise ValueError("nothing to send: give at least one tensor")
+        raise InvalidRequest("nothing to send: give at least one tensor")
     if all(isinstance(s, FlatBucket) for s in source):
         buckets = source
     elif all(isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], torch.Tensor) for s in source):
         buckets = None
     else:
-        raise TypeError("send a list of (name, tensor) pairs, a FlatBucket, or a list of FlatBuckets")
+        raise InvalidRequestType(
+            "send a list of (name, tensor) pairs, a FlatBucket, or a list of FlatBuckets"
+        )
     devices = {(b.device if buckets else b[1].device).type for b in source}
     if len(devices) != 1 or not devices <= {"cuda", "cpu"}:
-        raise ValueError(f"all tensors must be on CUDA devices or all on the host, got {sorted(devices)}")
+        raise InvalidRequest(
+            f"all tensors must be on CUDA devices or all on the host, got {sorted(devices)}"
+        )
     if devices == {"cuda"}:
         return _share_cuda(source, buckets is not None)
     if buckets is not None:
@@ -164,7 +180,9 @@ def _share_cpu(buckets: list[FlatBucket]) -> SentTensors:
     buffers, tensors = [], []
     for i, bucket in enumerate(buckets):
         if bucket.block is None:
-            raise ValueError("a host bucket must be shared (FlatBucket.allocate(..., shared=True))")
+            raise InvalidRequest(
+                "a host bucket must be shared (FlatBucket.allocate(..., shared=True))"
+            )
         buffers.append({"shm": bucket.block.name, "nbytes": bucket.buffer.numel()})
         tensors += [_entry(e.spec, i, e.offset) for e in bucket.entries]
     return SentTensors(TensorHandles("cpu", buffers, tensors), list(buckets))
@@ -230,7 +248,7 @@ def check_receivable(handles: TensorHandles) -> None:
     """CUDA IPC handles open only in a process that has CUDA: elsewhere that is the sender's
     mistake (ValueError), not a failed transfer."""
     if handles.kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise InvalidRequest(
             "CUDA tensor handles need a GPU engine, and this engine runs without CUDA; send host "
             "tensors instead (they travel as shared memory)"
         )

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rollout.errors import InvalidRequest, WeightSyncError
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("nccl", "gloo")
@@ -27,25 +29,25 @@ BACKENDS = ("nccl", "gloo")
 NCCL_WATCHDOG_MARGIN_S = 30.0
 
 
-class WeightSyncError(RuntimeError):
-    """A weight transfer failed (the peer died, timed out, or sent something unusable)."""
-
-
 def check_group_args(
     master_address: Any, master_port: Any, rank: Any, world_size: Any, group_name: Any, backend: Any
 ) -> None:
     if not isinstance(master_address, str) or not master_address:
-        raise ValueError(f"master_address must be a host name or address, got {master_address!r}")
+        raise InvalidRequest(
+            f"master_address must be a host name or address, got {master_address!r}"
+        )
     if not isinstance(master_port, int) or isinstance(master_port, bool) or not 0 < master_port < 65536:
-        raise ValueError(f"master_port must be an int in (0, 65536), got {master_port!r}")
+        raise InvalidRequest(f"master_port must be an int in (0, 65536), got {master_port!r}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
-        raise ValueError(f"world_size must be an int >= 2 (the trainer and the engine), got {world_size!r}")
+        raise InvalidRequest(
+            f"world_size must be an int >= 2 (the trainer and the engine), got {world_size!r}"
+        )
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+        raise InvalidRequest(f"rank must be in [0, {world_size}), got {rank!r}")
     if not isinstance(group_name, str) or not group_name:
-        raise ValueError(f"group_name must be a non-empty string, got {group_name!r}")
+        raise InvalidRequest(f"group_name must be a non-empty string, got {group_name!r}")
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise InvalidRequest(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
 def check_distinct_gpus(store: Any, rank: int, world_size: int, device: torch.device) -> None:
@@ -60,7 +62,7 @@ def check_distinct_gpus(store: Any, rank: int, world_size: int, device: torch.de
     if rank == 0:
         store.wait([f"gpu-checked/{r}" for r in range(world_size)])
     if same:
-        raise ValueError(
+        raise InvalidRequest(
             f"ranks {min(rank, same[0])} and {max(rank, same[0])} of the weight update group are "
             f"on the same GPU ({device}, {uuid}); NCCL needs one GPU per rank. For a trainer on "
             f"the engine's GPU use update_weights_from_tensor (CUDA IPC handles), or gloo"
@@ -95,7 +97,9 @@ class UpdateGroup:
         check_group_args(master_address, master_port, rank, world_size, group_name, backend)
         if backend == "nccl":
             if device is None or torch.device(device).type != "cuda":
-                raise ValueError(f"the nccl backend needs a CUDA device, got {device!r}; use gloo")
+                raise InvalidRequest(
+                    f"the nccl backend needs a CUDA device, got {device!r}; use gloo"
+                )
             # Our own deadline aborts the group; the watchdog must not end the process instead.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         buffers = torch.device(device) if backend == "nccl" else torch.device("cpu")

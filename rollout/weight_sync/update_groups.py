@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rollout.errors import InvalidRequest
 from rollout.weight_sync.deferred import Deferred, in_thread
 from rollout.weight_sync.update_group import UpdateGroup
 
@@ -38,10 +39,12 @@ class UpdateGroups:
         """Starts joining on a thread; the deferred reply comes once every rank joined or the
         join failed (within timeout_s). A failed join leaves nothing behind: retry the name."""
         if group_name in self.joining:
-            raise ValueError(f"weight update group {group_name!r} is being joined; wait for that")
+            raise InvalidRequest(
+                f"weight update group {group_name!r} is being joined; wait for that"
+            )
         old = self.open.get(group_name)
         if old is not None and not old.closed:
-            raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
+            raise InvalidRequest(f"weight update group {group_name!r} exists; destroy it first")
         device = self.device
 
         def run() -> UpdateGroup:
@@ -71,7 +74,7 @@ class UpdateGroups:
     def get(self, group_name: str) -> UpdateGroup:
         group = self.open.get(group_name)
         if group is None or group.closed:
-            raise ValueError(
+            raise InvalidRequest(
                 f"no open weight update group {group_name!r}; call init_weights_update_group"
             )
         return group
@@ -79,6 +82,8 @@ class UpdateGroups:
     def leave(self, group_name: str) -> dict:
         group = self.open.pop(group_name, None)
         if group is None:
-            raise ValueError(f"no weight update group {group_name!r}; groups: {sorted(self.open)}")
+            raise InvalidRequest(
+                f"no weight update group {group_name!r}; groups: {sorted(self.open)}"
+            )
         group.close()
         return {"message": f"left {group_name!r}"}

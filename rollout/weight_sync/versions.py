@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollout.errors import InvalidRequest
+
 INITIAL = "default"
 MAX_LEN = 256
 
@@ -17,7 +19,9 @@ def check_version(value: Any, what: str = "weight_version") -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not 0 < len(value) <= MAX_LEN:
-        raise ValueError(f"{what} must be a non-empty string of at most {MAX_LEN} characters, got {value!r}")
+        raise InvalidRequest(
+            f"{what} must be a non-empty string of at most {MAX_LEN} characters, got {value!r}"
+        )
     return value
 
 

@@ -1,10 +1,9 @@
-"""Attention backends by name, and the choice behind attention_backend="auto".
+"""Attention backends by name: what each needs to run, and how to build one.
 
-A backend is registered with what it needs to run: a package beyond torch, a GPU, and the
-dtypes its kernels exist for. "auto" takes the first of AUTO_ORDER that can run here, else torch.
-Decode may run on another backend than extend (decode_attention_backend): "auto" there takes
-triton under flashinfer (DECODE_AUTO) for decode batches of up to a given size, and the
-attention backend itself for the rest.
+A backend is registered with what it needs to run: a package beyond torch, a GPU, the dtypes
+its kernels exist for, and whether its decode can be captured in a CUDA graph. Which backend
+runs where ("auto", decode on another backend than extend) is decided by
+rollout.forward.kernel_plan from these entries.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ class BackendEntry:
     package: str | None = None  # imported to tell whether the backend can run
     gpu_only: bool = False
     dtypes: tuple[torch.dtype, ...] | None = None  # None: any dtype
+    cuda_graph: bool = False  # the backend's supports_cuda_graph
 
 
 def _torch(shape: AttentionShape | None) -> AttentionBackend:
@@ -54,14 +54,10 @@ def _triton(shape: AttentionShape) -> AttentionBackend:
 BACKENDS: dict[str, BackendEntry] = {
     "torch": BackendEntry(_torch),
     "flashinfer": BackendEntry(
-        _flashinfer, package="flashinfer", gpu_only=True, dtypes=HALF_DTYPES
+        _flashinfer, package="flashinfer", gpu_only=True, dtypes=HALF_DTYPES, cuda_graph=True
     ),
-    "triton": BackendEntry(_triton, package="triton", gpu_only=True),
+    "triton": BackendEntry(_triton, package="triton", gpu_only=True, cuda_graph=True),
 }
-AUTO_ORDER = ("flashinfer", "triton")
-# Decode's "auto" by the attention backend, for small decode batches (the triton_decode_max_batch
-# option says how small).
-DECODE_AUTO = {"flashinfer": "triton"}
 
 
 @dataclass(frozen=True)
@@ -100,42 +96,13 @@ def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> s
     return None
 
 
-def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend to build for option value `name`; raises ValueError, naming why, when an
-    explicitly named backend cannot run here."""
-    if name == "auto":
-        for candidate in AUTO_ORDER:
-            if candidate in BACKENDS and unavailable_reason(candidate, device, dtype) is None:
-                return candidate
-        return "torch"
-    return _named_backend("attention_backend", name, device, dtype, "; use auto or torch")
-
-
-def _named_backend(
-    option: str, name: str, device: torch.device, dtype: torch.dtype, hint: str = ""
-) -> str:
-    """`name` as given for `option`, once it is known and can run here; else ValueError."""
-    if name not in BACKENDS:
-        raise ValueError(f"{option} must be one of auto, {', '.join(BACKENDS)}, got {name!r}")
-    reason = unavailable_reason(name, device, dtype)
-    if reason is not None:
-        raise ValueError(f"{option}={name!r} cannot run here: {reason}{hint}")
-    return name
-
-
-def resolve_decode_backend(
-    name: str, attention_backend: str, device: torch.device, dtype: torch.dtype, auto_max_batch: int
-) -> DecodeChoice:
-    """Where decode runs for option value `name`, given the resolved attention backend and,
-    for "auto", the largest decode batch on DECODE_AUTO's backend; raises ValueError, naming
-    why, when an explicitly named backend cannot run here."""
-    if name == "auto":
-        preferred = DECODE_AUTO.get(attention_backend)
-        runs = preferred is not None and unavailable_reason(preferred, device, dtype) is None
-        if runs and auto_max_batch > 0:
-            return DecodeChoice(preferred, auto_max_batch)
-        return DecodeChoice(attention_backend)
-    return DecodeChoice(_named_backend("decode_attention_backend", name, device, dtype))
+def supports_cuda_graph(name: str, decode: DecodeChoice) -> bool:
+    """Whether backend `name` with decode steps on `decode` can run inside CUDA graphs (as
+    HybridAttentionBackend.supports_cuda_graph answers for the built backend)."""
+    if decode.backend == name:
+        return BACKENDS[name].cuda_graph
+    extend_ok = decode.max_batch is None or BACKENDS[name].cuda_graph
+    return BACKENDS[decode.backend].cuda_graph and extend_ok
 
 
 def create_attention_backend(
@@ -166,6 +133,5 @@ __all__ = [
     "AttentionShape",
     "DecodeChoice",
     "create_attention_backend",
-    "resolve_attention_backend",
-    "resolve_decode_backend",
+    "supports_cuda_graph",
 ]

@@ -3,8 +3,8 @@
 KVPool keeps one [num_slots + 1, kv_heads, head_dim] tensor per layer for K and one for V, a
 token per slot; FlashInfer sees that as pages of one token (NHD layout, page_size 1), and a
 request's page list is its row of req_to_token. (With decode_attention_backend="auto", small
-decode batches run on the Triton kernel instead: see attention/__init__.py.) An 8-bit KV pool
-is read as it is (kv_data_type), with queries in the model's dtype. Decode here uses the
+decode batches run on the Triton kernel instead: see rollout/forward/kernel_plan.py.) An 8-bit
+KV pool is read as it is (kv_data_type), with queries in the model's dtype. Decode here uses the
 tensor-core decode kernels: they take any GQA group size (Qwen2.5-7B has 7 query heads per KV
 head, which the CUDA-core decode kernels reject) and are compiled from the same FA2 module as
 extend, so a machine JIT-compiles one module per dtype pair and head size instead of three.
@@ -30,10 +30,9 @@ _KERNELS = "fa2"
 def tensor_aware_max(*args, **kwargs):
     """builtins.max, except that a lone tensor argument is reduced by one tensor op. The
     builtin walks a tensor as B Python scalars, one comparison op each, and FlashInfer's plan()
-    takes `max(kv_lens)` of a host tensor every decode step: on the H100 machine one
-    tensor-core decode plan for 256 requests took 1,273 us of host time with the builtin and
-    146 us with this (benchmarks/RESULTS.md), time the scheduler needs to stay ahead of the
-    device."""
+    takes `max(kv_lens)` of a host tensor every decode step. At a large batch that walk was
+    most of a decode plan's host time (benchmarks/RESULTS.md, seventh and eighth sessions),
+    time the scheduler needs to stay ahead of the device."""
     if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
         return args[0].max()
     return builtins.max(*args, **kwargs)

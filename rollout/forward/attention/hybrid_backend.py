@@ -3,8 +3,9 @@ optionally decode batches above a size back on the extend backend.
 
 Every backend reads and writes the KVPool layout as it is, so the steps of a run mix freely:
 FlashInfer's prefill kernels for extend with the Triton decode kernel for small decode batches,
-where on an H100 it is faster in a CUDA graph and needs no host-side plan per step, and
-FlashInfer's decode for large ones (benchmarks/RESULTS.md).
+where it needs no host-side plan per step and was the faster of the two in CUDA graphs, and
+FlashInfer's decode for large ones (benchmarks/RESULTS.md, "Which decode kernel at which batch
+size"). Which backend takes which batches is the KernelPlan's (rollout/forward/kernel_plan.py).
 """
 
 from __future__ import annotations

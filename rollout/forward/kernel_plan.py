@@ -1,0 +1,150 @@
+"""KernelPlan: which kernels the engine runs, decided once at start.
+
+KernelOptions say what was asked for ("auto" or a backend's name, switches, sizes); what can run
+depends on the device, the dtype and the packages that import. `resolve_kernel_plan` is the one
+place that weighs the two. The model runner, the CUDA-graph runner, the model's layers and the
+sampler read the plan and decide nothing themselves; the plan is logged at start and reported
+by get_server_info as `kernel_plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout.config import EngineOptions
+from rollout.forward import attention
+from rollout.forward.attention import DecodeChoice
+
+# "auto" takes the first of these that can run here, else torch.
+AUTO_ORDER = ("flashinfer", "triton")
+# Decode's "auto" by the attention backend, for decode batches of up to triton_decode_max_batch
+# rows: the Triton decode kernel plans nothing on the host per step, which is what a small
+# batch's step is short of.
+DECODE_AUTO = {"flashinfer": "triton"}
+# Weights below this many elements keep torch's GEMM on the skinny path. Reading one is short
+# enough that the kernel's start weighs: each program streams one tile of rows through a
+# pipeline it must first fill, and torch's GEMM, which also splits K, reads them as fast or
+# faster (Qwen2.5-7B's q/k/v and o projections; the skinny kernel wins on gate/up, down and the
+# LM head: benchmarks/bench_gemv.py, benchmarks/RESULTS.md).
+SKINNY_MIN_WEIGHT = 1 << 25
+# With filters (top-k, top-p, min-p) the sampling kernel gives one program to one row, which
+# beats torch's ops only from a few dozen rows on (benchmarks/RESULTS.md); without
+# filters it draws each row in chunks and wins at any number of rows.
+SAMPLING_KERNEL_MIN_ROWS = 32
+# Larger decode batches run eagerly: their launch overhead is small next to their work.
+MAX_GRAPH_BATCH_SIZE = 256
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The kernels of this engine, resolved from KernelOptions for its device and dtype."""
+
+    attention_backend: str  # extend (prefill, chunks), and decode batches above decode_max_batch
+    decode_backend: str  # decode batches of up to decode_max_batch rows
+    decode_max_batch: int | None  # None: every decode batch runs on decode_backend
+    fused_kernels: bool  # the Triton norm, rotary and SiLU-and-mul kernels in the layers
+    skinny_gemm_max_rows: int  # linear layers over at most this many tokens; 0: never
+    skinny_gemm_min_weight: int  # ... whose weight has at least this many elements
+    cuda_graphs: bool  # decode replayed from CUDA graphs
+    cuda_graph_max_bs: int  # the largest batch replayed; 0 without graphs
+    sampling_kernel: bool  # sampling on the Triton kernel ...
+    sampling_kernel_min_rows: int  # ... for batches with filters from this many rows on
+
+    @property
+    def decode_attention(self) -> DecodeChoice:
+        return DecodeChoice(self.decode_backend, self.decode_max_batch)
+
+    def samples_with_kernel(self, rows: int, filtered: bool) -> bool:
+        """Whether a sampling batch of `rows` rows (`filtered`: some use top-k/top-p/min-p)
+        runs on the sampling kernel."""
+        return self.sampling_kernel and (rows >= self.sampling_kernel_min_rows or not filtered)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        graphs = f"up to batch {self.cuda_graph_max_bs}" if self.cuda_graphs else "off"
+        skinny = f"up to {self.skinny_gemm_max_rows} rows" if self.skinny_gemm_max_rows else "off"
+        fused = "on" if self.fused_kernels else "off"
+        sampling = "kernel" if self.sampling_kernel else "torch"
+        return (
+            f"attention {self.attention_backend}, decode {self.decode_attention}, fused kernels "
+            f"{fused}, skinny GEMM {skinny}, CUDA graphs {graphs}, sampling {sampling}"
+        )
+
+
+def resolve_kernel_plan(
+    options: EngineOptions, device: torch.device, dtype: torch.dtype
+) -> KernelPlan:
+    """The plan for `options` on `device` in `dtype` (the model's resolved dtype); raises
+    ValueError, naming why, when an explicitly named backend cannot run here."""
+    kopts = options.kernels
+    extend = _attention_backend(kopts.attention_backend, device, dtype)
+    decode = _decode_choice(
+        kopts.decode_attention_backend, extend, device, dtype, kopts.triton_decode_max_batch
+    )
+    # The GPU backends come with the Triton kernels for norms, rotary, SiLU-and-mul and
+    # sampling; attention_backend="torch" stays all torch: it is the reference path.
+    fused = extend != "torch"
+    graphs = (
+        device.type == "cuda"
+        and not kopts.disable_cuda_graph
+        and attention.supports_cuda_graph(extend, decode)
+    )
+    max_bs = min(kopts.cuda_graph_max_bs, options.scheduler.max_running_requests)
+    return KernelPlan(
+        attention_backend=extend,
+        decode_backend=decode.backend,
+        decode_max_batch=decode.max_batch,
+        fused_kernels=fused,
+        skinny_gemm_max_rows=kopts.skinny_gemm_max_rows if fused else 0,
+        skinny_gemm_min_weight=SKINNY_MIN_WEIGHT,
+        cuda_graphs=graphs,
+        cuda_graph_max_bs=min(max_bs, MAX_GRAPH_BATCH_SIZE) if graphs else 0,
+        sampling_kernel=fused,
+        sampling_kernel_min_rows=SAMPLING_KERNEL_MIN_ROWS,
+    )
+
+
+def _attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend to build for attention_backend=`name`."""
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            if candidate in attention.BACKENDS and _runs(candidate, device, dtype):
+                return candidate
+        return "torch"
+    return _named_backend("attention_backend", name, device, dtype, "; use auto or torch")
+
+
+def _decode_choice(
+    name: str, extend: str, device: torch.device, dtype: torch.dtype, auto_max_batch: int
+) -> DecodeChoice:
+    """Where decode runs for decode_attention_backend=`name`, given the resolved attention
+    backend `extend` and, for "auto", the largest decode batch on DECODE_AUTO's backend."""
+    if name == "auto":
+        preferred = DECODE_AUTO.get(extend)
+        if preferred is not None and auto_max_batch > 0 and _runs(preferred, device, dtype):
+            return DecodeChoice(preferred, auto_max_batch)
+        return DecodeChoice(extend)
+    return DecodeChoice(_named_backend("decode_attention_backend", name, device, dtype))
+
+
+def _runs(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    return attention.unavailable_reason(name, device, dtype) is None
+
+
+def _named_backend(
+    option: str, name: str, device: torch.device, dtype: torch.dtype, hint: str = ""
+) -> str:
+    """`name` as given for `option`, once it is known and can run here; else ValueError."""
+    if name not in attention.BACKENDS:
+        known = ", ".join(attention.BACKENDS)
+        raise ValueError(f"{option} must be one of auto, {known}, got {name!r}")
+    reason = attention.unavailable_reason(name, device, dtype)
+    if reason is not None:
+        raise ValueError(f"{option}={name!r} cannot run here: {reason}{hint}")
+    return name
