@@ -51,7 +51,7 @@ def encode_prompt(
     limits.check_text(text, what)
     # NOTE: transformers' encode runs the Rust tokenizer's encode_batch, which releases the GIL
     # (a worker thread then leaves the event loop free); the Rust single-text `encode` holds
-    # it throughout (measured: 0.55 s of a frozen loop for 1M characters).
+    # it throughout (RESULTS.md: the loop freezes for the whole encode).
     return tokenizer.encode(text)
 
 

@@ -178,7 +178,7 @@ def _pairs(rows: list[int], id_lists: list[list[int]]) -> np.ndarray | None:
     total = sum(lens)
     if total == 0:
         return None
-    # np.fromiter is ~4x faster than torch.tensor on a long flat Python list.
+    # np.fromiter is several times faster than torch.tensor on a long flat Python list.
     ids = np.fromiter(chain.from_iterable(id_lists), dtype=np.int64, count=total)
     return np.stack([np.repeat(np.asarray(rows, dtype=np.int64), lens), ids])
 

@@ -1,8 +1,8 @@
 """Reading large JSON request bodies without holding the server's event loop.
 
 FastAPI joins a body's chunks, parses them with json.loads and validates the result against the
-route's model, all on the event loop: for a 50 MB body of token ids that held /health and every
-stream for ~0.9 s. Routes of class OffLoopRoute (the routers' route_class) do these three on a
+route's model, all on the event loop: a body of tens of MB held /health and every stream for
+most of a second (RESULTS.md). Routes of class OffLoopRoute (the routers' route_class) do these three on a
 worker thread for a body over LARGE_BODY_BYTES, and hand FastAPI the validated model, which it
 takes as it is (pydantic does not validate a model instance again).
 
@@ -10,9 +10,8 @@ NOTE: a thread alone does not free the loop. json.loads and pydantic are C code 
 GIL for the whole call, and the loop needs the GIL to answer anything. Joining releases it
 (CPython drops the GIL for joins over 1 MB); the hooks below make the parser come back to
 Python at each number and object, where the GIL passes to the loop if it waits. What still
-holds it in one piece: decoding the bytes and scanning one long string (~1.2 ns a byte, ~60 ms
-for 50 MB), an array of millions of strings or literals (~15 ns an item) and pydantic's
-validation of one long list (~12 ns an item, ~120 ms for 10 M token ids).
+holds it in one piece: decoding the bytes and scanning one long string, an array of millions
+of strings or literals, and pydantic's validation of one long list (RESULTS.md has the costs).
 """
 
 from __future__ import annotations

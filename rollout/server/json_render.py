@@ -1,7 +1,7 @@
 """JSON text for the server's answers, and for large ones, made in pieces.
 
-json.dumps is C code that holds the GIL from start to end: 0.6 s for a response of 1 M logprob
-entries, during which the server's event loop (which needs the GIL) answers nothing, whichever
+json.dumps is C code that holds the GIL from start to end (RESULTS.md has what a large
+response costs), during which the server's event loop (which needs the GIL) answers nothing, whichever
 thread runs it. render_in_pieces gives the same text, made of json.dumps calls on parts of about
 PIECE_ITEMS values each; between parts it runs Python code, where the GIL passes to the loop.
 """

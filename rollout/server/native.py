@@ -27,7 +27,7 @@ from rollout.server.streaming import (
 router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
 
 # Token ids are checked by the engine, on its worker threads. pydantic would check them in one
-# C call holding the GIL (~15 ns a token: 150 ms for 10 M), so the event loop would wait on it.
+# C call holding the GIL throughout, so the event loop would wait on it for a long list.
 TokenIds = SkipValidation[list[int] | list[list[int]] | None]
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0

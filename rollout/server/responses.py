@@ -17,7 +17,8 @@ from rollout.server.json_render import dumps, estimate_items, render_in_pieces
 
 logger = logging.getLogger(__name__)
 
-# Above this many JSON values (~10 ms of json.dumps) an answer is made off the event loop.
+# Above this many JSON values (about where json.dumps holds the GIL for as long as a /health
+# answer may take) an answer is made off the event loop.
 LARGE_RESPONSE_ITEMS = 65_536
 
 
@@ -37,7 +38,7 @@ async def json_response(content: Any, status_code: int = 200) -> Response:
     """`content` as a JSON answer, the same as a route returning it gives, made without holding
     the event loop: large content is rendered on a worker thread, in pieces (see json_render).
     Routes that can answer with much (logprobs, embeddings) return this rather than a dict,
-    which FastAPI would walk (jsonable_encoder, ~3 s per 1 M logprob entries) on the loop."""
+    which FastAPI would walk (jsonable_encoder, in Python, per value) on the loop."""
     if not is_large(content):
         return JSON(content, status_code=status_code)
     body = await asyncio.to_thread(render_in_pieces, content)

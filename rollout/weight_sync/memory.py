@@ -4,7 +4,8 @@ On a GPU with torch-memory-saver, a release frees the tag's physical memory and 
 virtual addresses (CUDA graphs stay valid); resume re-backs it, with the weights' values only
 with `enable_weights_cpu_backup`: then a release first copies the weights into one pinned host
 buffer (allocated once, at start) and resume copies them back, each at host-link speed
-(torch-memory-saver's own backup copies through pageable memory: 8.4 s for 14 GiB). On the host the KV pool is freed and re-allocated and
+(torch-memory-saver's own backup copies through pageable memory, several times slower: see
+benchmarks/RESULTS.md). On the host the KV pool is freed and re-allocated and
 the weights stay, so the same calls work (and CI covers them) anywhere. On a GPU without the
 package nothing is given back: a re-allocated pool would move under the captured CUDA graphs.
 
