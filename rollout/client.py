@@ -16,62 +16,35 @@ from typing import Any
 import httpx
 
 from rollout.control import ControlCall
+from rollout.control_api import ControlAPI
 from rollout.engine.control_calls import FlushCache, GetServerInfo
 from rollout.engine.messages import AbortRequest
 from rollout.errors import EXCEPTIONS, HTTP, Forbidden
+from rollout.generate_request import GenerateRequest, takes_generate_request
 from rollout.weight_sync import calls
-from rollout.weight_sync.calls import DEFAULT_GROUP
 
 
-class RolloutClient:
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
+class RolloutClient(ControlAPI):
+    def __init__(
+        self, base_url: str, api_key: str | None = None, timeout: float | None = None
+    ) -> None:
         """`timeout` bounds each HTTP call in seconds (None: wait as long as generation takes)."""
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = httpx.Timeout(timeout)
-        self._http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=self.timeout)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=self.headers, timeout=self.timeout
+        )
 
     # ---- generation -----------------------------------------------------------------------
-    @staticmethod
-    def _payload(
-        prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool, logprob_start_len: Any,
-        top_logprobs_num: Any, token_ids_logprob: Any, return_hidden_states: bool, stream: bool, rid: Any,
-    ) -> dict:
-        payload = {
-            "text": prompt,
-            "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "return_logprob": return_logprob,
-            "logprob_start_len": logprob_start_len,
-            "top_logprobs_num": top_logprobs_num,
-            "token_ids_logprob": token_ids_logprob,
-            "return_hidden_states": return_hidden_states,
-            "stream": stream,
-            "rid": rid,
-        }
-        return {k: v for k, v in payload.items() if v is not None}
-
-    def generate(
-        self,
-        prompt: str | list[str] | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        token_ids_logprob: list[int] | None = None,
-        return_hidden_states: bool = False,
-        stream: bool = False,
-        rid: str | list[str] | None = None,
-    ) -> dict | list[dict] | Iterator[dict]:
+    # The arguments are GenerateRequest's fields (rollout/generate_request.py), or one
+    # GenerateRequest, as RolloutEngine.generate takes them.
+    @takes_generate_request
+    def generate(self, request: GenerateRequest) -> dict | list[dict] | Iterator[dict]:
         """As RolloutEngine.generate: a dict, a list of dicts, or (stream=True) an iterator."""
-        payload = self._payload(
-            prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-            top_logprobs_num, token_ids_logprob, return_hidden_states, stream, rid,
-        )
-        if stream:
-            return self._stream(payload)
-        return self._post("/generate", payload)
+        if request.stream:
+            return self._stream(request.to_json())
+        return self._post("/generate", request.to_json())
 
     def _stream(self, payload: dict) -> Iterator[dict]:
         with self._http.stream("POST", "/generate", json=payload) as resp:
@@ -85,32 +58,22 @@ class RolloutClient:
                 if item is not None:
                     yield item
 
+    @takes_generate_request
     async def async_generate(
-        self,
-        prompt: str | list[str] | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        token_ids_logprob: list[int] | None = None,
-        return_hidden_states: bool = False,
-        stream: bool = False,
-        rid: str | list[str] | None = None,
+        self, request: GenerateRequest
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As RolloutEngine.async_generate; cancelling closes the connection, which aborts."""
-        payload = self._payload(
-            prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-            top_logprobs_num, token_ids_logprob, return_hidden_states, stream, rid,
-        )
-        if stream:
-            return self._astream(payload)
+        if request.stream:
+            return self._astream(request.to_json())
         async with self._async_http() as http:
-            resp = await http.post("/generate", json=payload)
+            resp = await http.post("/generate", json=request.to_json())
         return _result(resp)
 
     async def _astream(self, payload: dict) -> AsyncIterator[dict]:
-        async with self._async_http() as http, http.stream("POST", "/generate", json=payload) as resp:
+        async with (
+            self._async_http() as http,
+            http.stream("POST", "/generate", json=payload) as resp,
+        ):
             if resp.status_code != 200:
                 await resp.aread()
                 raise _error(resp)
@@ -132,7 +95,9 @@ class RolloutClient:
         payload = {"text": prompt, "input_ids": input_ids, "normalize": normalize, "rid": rid}
         return self._post("/encode", _present(payload))
 
-    def classify(self, prompt: Any = None, input_ids: Any = None, messages: Any = None, rid: Any = None) -> Any:
+    def classify(
+        self, prompt: Any = None, input_ids: Any = None, messages: Any = None, rid: Any = None
+    ) -> Any:
         payload = {"text": prompt, "input_ids": input_ids, "messages": messages, "rid": rid}
         return self._post("/classify", _present(payload))
 
@@ -151,7 +116,9 @@ class RolloutClient:
 
     def rerank(self, query: str, documents: list[str], top_n: int | None = None) -> list[dict]:
         """[{"index", "score", "document"}] by relevance, highest first (POST /v1/rerank)."""
-        return self._post("/v1/rerank", _present({"query": query, "documents": documents, "top_n": top_n}))
+        return self._post(
+            "/v1/rerank", _present({"query": query, "documents": documents, "top_n": top_n})
+        )
 
     # ---- control --------------------------------------------------------------------------
     def flush_cache(self) -> dict:
@@ -161,7 +128,7 @@ class RolloutClient:
         return _result(resp)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        self._send(AbortRequest(rid, abort_all))
+        self.control(AbortRequest(rid, abort_all))
 
     def get_server_info(self) -> dict:
         return self._get(f"/{GetServerInfo.method}")
@@ -189,32 +156,13 @@ class RolloutClient:
             except httpx.TransportError as e:
                 last = e
             time.sleep(0.25)
-        raise TimeoutError(f"{self.base_url} was not ready within {timeout:.0f} s (last error: {last})")
+        raise TimeoutError(
+            f"{self.base_url} was not ready within {timeout:.0f} s (last error: {last})"
+        )
 
     # ---- weight sync (the engine's methods, over HTTP; admin key needed when one is set) -----
-    # Each builds the engine's call (rollout/weight_sync/calls.py: bad arguments raise here)
-    # and posts its fields to the route of the same name.
-    def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float | None = None,
-    ) -> dict:  # fmt: skip
-        return self._send(calls.InitWeightsUpdateGroup(
-            master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
-        ))  # fmt: skip
-
-    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict:
-        return self._send(calls.DestroyWeightsUpdateGroup(group_name))
-
-    def update_weights_from_distributed(
-        self, names: list[str], dtypes: list, shapes: list[list[int]],
-        group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
-        weight_version: str | None = None, load_format: str | None = None,
-    ) -> dict:  # fmt: skip
-        """Blocks until the server has received every broadcast: broadcast from another thread."""
-        return self._send(calls.UpdateWeightsFromDistributed(
-            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
-        ))  # fmt: skip
-
+    # The rest are ControlAPI's (rollout/control_api.py): each builds the engine's call (bad
+    # arguments raise here) and posts its fields to the route of the same name.
     def update_weights_from_tensor(
         self, named_tensors: calls.NamedTensors, load_format: str | None = None,
         flush_cache: bool = True, weight_version: str | None = None,
@@ -223,42 +171,27 @@ class RolloutClient:
         and sends their JSON handles; the tensors must not change until this returns."""
         args = named_tensors, load_format, flush_cache, weight_version
         with calls.UpdateWeightsFromTensor.shared(*args) as call:
-            return self._send(call)
+            return self.control(call)
 
     def update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, weight_version: str | None = None
     ) -> dict:
         """The server reads only under its --allowed-weight-roots (else PermissionError)."""
         call = calls.UpdateWeightsFromDisk(model_path, load_format, weight_version)
-        return self._send(call, omit=("allowed_roots",))  # the server's own, never the client's
+        return self.control(call, omit=("allowed_roots",))  # the server's own, never the client's
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        return self._send(calls.GetWeightsByName(name, truncate_size))
+        return self.control(calls.GetWeightsByName(name, truncate_size))
 
     def get_weight_version(self) -> str:
         return self._get(f"/{calls.GetWeightVersion.method}")["weight_version"]
-
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
-        return self._send(calls.UpdateWeightVersion(new_version, abort_all_requests))
-
-    def pause_generation(self, mode: str = "abort") -> dict:
-        return self._send(calls.PauseGeneration(mode))
-
-    def continue_generation(self) -> dict:
-        return self._post(f"/{calls.ContinueGeneration.method}")
-
-    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        return self._send(calls.ReleaseMemoryOccupation(tags))
-
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        return self._send(calls.ResumeMemoryOccupation(tags))
 
     # ---- plumbing -------------------------------------------------------------------------
     def _post(self, path: str, payload: dict | None = None) -> Any:
         return _result(self._http.post(path, json=payload))
 
-    def _send(self, call: ControlCall, omit: tuple[str, ...] = ()) -> Any:
-        """Posts a control call's fields to its route."""
+    def control(self, call: ControlCall, omit: tuple[str, ...] = ()) -> Any:
+        """Posts a control call's fields to its route (RolloutEngine.control's twin)."""
         body = {k: v for k, v in call.to_wire().items() if k not in omit}
         return self._post(f"/{call.method}", body)
 

@@ -9,7 +9,9 @@ nothing of it is ever pickled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import inspect
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
 from rollout.errors import InvalidRequest, InvalidRequestType
@@ -22,6 +24,24 @@ class ControlCall:
     def to_wire(self) -> dict[str, Any]:
         """The arguments as JSON values (tuples become lists)."""
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+
+def control_method(call: type[ControlCall]) -> Callable[..., Any]:
+    """A method that takes `call`'s fields as arguments and returns `self.control(call(...))`:
+    the engine's and the client's method of that call, its signature and doc from the call."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.control(call(*args, **kwargs))
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter("self", kind)]
+    for f in fields(call):
+        default = inspect.Parameter.empty if f.default is MISSING else f.default
+        params.append(inspect.Parameter(f.name, kind, default=default, annotation=f.type))
+    method.__signature__ = inspect.Signature(params, return_annotation="dict")  # type: ignore[attr-defined]
+    method.__name__ = method.__qualname__ = call.method
+    method.__doc__ = call.__doc__
+    return method
 
 
 def _plain(value: Any) -> Any:

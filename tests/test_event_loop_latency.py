@@ -145,7 +145,7 @@ class _StandInEngine:
     async def run_in_worker(self, fn, *args, **kwargs):
         return await asyncio.to_thread(fn, *args, **kwargs)
 
-    async def async_generate(self, **kwargs) -> dict:
+    async def async_generate(self, *args, **kwargs) -> dict:
         # As the engine's own request validation does: the caller's mistake, answered 400.
         raise InvalidRequest("the stand-in generates nothing")
 

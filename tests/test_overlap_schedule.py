@@ -93,9 +93,10 @@ def _run(path: str, reqs: list[TokenizedRequest], overlap: bool, abort: bool) ->
             acc.update(
                 finish=out.finish_reason, cached=out.cached_tokens, completion=out.completion_tokens
             )
-            for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
-                        "input_token_logprobs", "input_top_logprobs", "hidden_states"):  # fmt: skip
-                acc.setdefault(key, []).extend(getattr(out, key) or [])
+            columns = out.logprobs.entries() if out.logprobs is not None else {}
+            columns["hidden_states"] = out.hidden_states or []
+            for key, values in columns.items():
+                acc.setdefault(key, []).extend(values)
 
     steps = 0
     while sched.has_work():

@@ -38,21 +38,6 @@ def chat_ids(
 ) -> list[int]:
     """The prompt ids of one conversation. Raises ValueError for messages, kwargs or a
     rendered text beyond the limits, and for a template that fails on them."""
-    text = render_chat(
-        tokenizer, limits, messages, add_generation_prompt, continue_final_message, template_kwargs
-    )
-    limits.check_text(text, "the rendered chat")
-    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
-
-
-def render_chat(
-    tokenizer: Any,
-    limits: RequestLimits,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool,
-    continue_final_message: bool = False,
-    template_kwargs: dict[str, Any] | None = None,
-) -> str:
     kwargs = dict(template_kwargs or {})
     check_template_kwargs(tokenizer, limits, kwargs)
     limits.check_text(messages, "the messages")
@@ -73,7 +58,8 @@ def render_chat(
         raise InvalidRequest(f"the chat template failed on these messages: {e}") from e
     if not isinstance(text, str):
         raise InvalidRequest(f"the chat template rendered a {type(text).__name__}, not text")
-    return text
+    limits.check_text(text, "the rendered chat")
+    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
 
 
 def check_template_kwargs(tokenizer: Any, limits: RequestLimits, kwargs: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.engine.messages import DecodeParams, ReqOutput, failure_reason
+from rollout.engine.processes import Addresses
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class Detokenizer:
             state.read_offset = len(state.ids)
 
 
-def run_detokenizer_process(tokenizer_path: str, addrs: Any, parent_pid: int) -> None:
+def run_detokenizer_process(tokenizer_path: str, addrs: Addresses, parent_pid: int) -> None:
     """Process entry: forwards every message from the scheduler to the tokenizer manager,
     filling in text on the way. Exits on the scheduler's shutdown reply or its failure."""
     import pickle

@@ -16,14 +16,11 @@ from typing import Any
 
 from rollout.config import MAX_SAMPLES_PER_CALL
 from rollout.engine.chat_template import chat_ids
+from rollout.engine.messages import TokenizedRequest
 from rollout.engine.request_limits import RequestLimits
-from rollout.engine.request_validation import (
-    GenerateInput,
-    build_inputs,
-    encode_prompt,
-    validate_prompt_length,
-)
+from rollout.engine.request_validation import build_inputs, encode_prompt, validate_prompt_length
 from rollout.errors import InvalidRequest
+from rollout.generate_request import GenerateRequest
 
 Finish = Callable[[list[dict]], Any]
 
@@ -46,7 +43,9 @@ def check_embedding_mode(model_path: str, is_embedding: bool) -> None:
 def _chat_ids(tokenizer: Any, limits: RequestLimits, messages: Any) -> tuple[list[list[int]], bool]:
     """One conversation (a list of {"role", "content"}) or a list of them -> token ids each."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list of {role, content} dicts, or a list of such lists")
+        raise InvalidRequest(
+            "messages must be a non-empty list of {role, content} dicts, or a list of such lists"
+        )
     batched = isinstance(messages[0], list)
     convs = messages if batched else [messages]
     ids = []
@@ -60,7 +59,7 @@ def _chat_ids(tokenizer: Any, limits: RequestLimits, messages: Any) -> tuple[lis
 def embed_inputs(
     tokenizer: Any, limits: RequestLimits, prompt: Any, input_ids: Any, messages: Any,
     normalize: bool, rid: Any,
-) -> tuple[list[GenerateInput], Finish]:  # fmt: skip
+) -> tuple[list[TokenizedRequest], Finish]:  # fmt: skip
     """Requests for encode/classify: exactly one of prompt (str or list), input_ids (a list of
     ids or of lists) or messages. The result is one dict per prompt; a single prompt, one dict."""
     if messages is not None:
@@ -70,20 +69,23 @@ def embed_inputs(
         if not batched:
             input_ids = input_ids[0]
     # Prefill only: no new tokens (the scheduler generates none for an embed request).
-    inputs, batched = build_inputs(tokenizer, limits, prompt, input_ids, {"max_new_tokens": 0}, rid)
+    request = GenerateRequest(prompt, {"max_new_tokens": 0}, input_ids, rid=rid)
+    inputs, batched = build_inputs(tokenizer, limits, request)
     for inp in inputs:
         inp.embed, inp.normalize = True, bool(normalize)
     return inputs, (lambda outs: outs if batched else outs[0])
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
 
 
 def score_inputs(
     tokenizer: Any, limits: RequestLimits, query: Any, items: Any, label_token_ids: Any,
     apply_softmax: bool, item_first: bool,
-) -> tuple[list[GenerateInput], Finish]:  # fmt: skip
+) -> tuple[list[TokenizedRequest], Finish]:  # fmt: skip
     """Requests for score: query and items both text (str, and str or list of str) or both
     token ids (a list of ids, and one list or a list of lists). The result is one list per
     item: the probability of each label token at the position after query + item (item +
@@ -92,8 +94,14 @@ def score_inputs(
         raise InvalidRequest("label_token_ids must be a non-empty list of token ids")
     if isinstance(query, str):
         item_list = [items] if isinstance(items, str) else items
-        if not isinstance(item_list, list) or not item_list or not all(isinstance(i, str) for i in item_list):
-            raise InvalidRequest("with a text query, items must be a str or a non-empty list of str")
+        if (
+            not isinstance(item_list, list)
+            or not item_list
+            or not all(isinstance(i, str) for i in item_list)
+        ):
+            raise InvalidRequest(
+                "with a text query, items must be a str or a non-empty list of str"
+            )
         _check_count(item_list)
         limits.check_text(query, "the query")
         ids = []
@@ -103,8 +111,14 @@ def score_inputs(
             ids.append(encode_prompt(tokenizer, limits, text, f"query + item {i}"))
     elif _is_ids(query) and query:
         item_list = [items] if _is_ids(items) else items
-        if not isinstance(item_list, list) or not item_list or not all(_is_ids(i) for i in item_list):
-            raise InvalidRequest("with a token-id query, items must be a list of ids or a list of such lists")
+        if (
+            not isinstance(item_list, list)
+            or not item_list
+            or not all(_is_ids(i) for i in item_list)
+        ):
+            raise InvalidRequest(
+                "with a token-id query, items must be a list of ids or a list of such lists"
+            )
         _check_count(item_list)
         ids = []
         for item in item_list:
@@ -114,10 +128,13 @@ def score_inputs(
     else:
         raise InvalidRequest("query must be a non-empty str or a non-empty list of token ids")
     params = {"max_new_tokens": 1, "temperature": 0.0}
-    inputs, _ = build_inputs(
-        tokenizer, limits, None, ids, params, None, return_logprob=True,
+    request = GenerateRequest(
+        sampling_params=params,
+        input_ids=ids,
+        return_logprob=True,
         token_ids_logprob=list(label_token_ids),
-    )  # fmt: skip
+    )
+    inputs, _ = build_inputs(tokenizer, limits, request)
 
     def finish(outs: list[dict]) -> list[list[float]]:
         return [_label_probs(out, label_token_ids, apply_softmax) for out in outs]

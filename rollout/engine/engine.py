@@ -14,28 +14,34 @@ import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from rollout.config import EngineOptions
-from rollout.control import ControlCall
+from rollout.control import ControlCall, control_method
+from rollout.control_api import ControlAPI
 from rollout.engine import embedding_requests, loop_streams
 from rollout.engine.control_calls import FlushCache, GetServerInfo
-from rollout.engine.messages import AbortRequest
+from rollout.engine.messages import AbortRequest, TokenizedRequest
 from rollout.engine.processes import Addresses, start_process, stop_process
 from rollout.engine.request_limits import RequestLimits
-from rollout.engine.request_validation import GenerateInput, build_inputs
+from rollout.engine.request_validation import build_inputs
 from rollout.errors import InvalidRequest
+from rollout.generate_request import GenerateRequest, takes_generate_request
 from rollout.weight_sync import calls
-from rollout.weight_sync.calls import DEFAULT_GROUP
 
 # HF fast tokenizers release the GIL while they encode: a few threads tokenize in parallel.
 TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
 
 
-class RolloutEngine:
+class RolloutEngine(ControlAPI):
     def __init__(self, model_path: str, **options: Any) -> None:
-        if not os.path.isdir(model_path) or not os.path.exists(os.path.join(model_path, "config.json")):
-            raise FileNotFoundError(f"model_path must be a checkpoint directory with config.json, got {model_path!r}")
+        if not os.path.isdir(model_path) or not os.path.exists(
+            os.path.join(model_path, "config.json")
+        ):
+            raise FileNotFoundError(
+                f"model_path must be a checkpoint directory with config.json, got {model_path!r}"
+            )
         self.options = EngineOptions.from_kwargs(model_path=model_path, **options)
         embedding_requests.check_embedding_mode(model_path, self.options.model.is_embedding)
         self.is_classifier = embedding_requests.is_classifier_checkpoint(model_path)
@@ -50,7 +56,9 @@ class RolloutEngine:
         self._addrs = Addresses.fresh()
         self._procs = []
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-tm", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="rollout-tm", daemon=True
+        )
         self._thread.start()
         self._workers = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="rollout-tokenize")
         self._closed = False
@@ -58,10 +66,14 @@ class RolloutEngine:
             self._tm = self._call(self._make_tm(TokenizerManager))
             pid = os.getpid()
             self._procs.append(
-                start_process(run_scheduler_process, (self.options, self._addrs, pid), "rollout-scheduler")
+                start_process(
+                    run_scheduler_process, (self.options, self._addrs, pid), "rollout-scheduler"
+                )
             )
             self._procs.append(
-                start_process(run_detokenizer_process, (tok_path, self._addrs, pid), "rollout-detokenizer")
+                start_process(
+                    run_detokenizer_process, (tok_path, self._addrs, pid), "rollout-detokenizer"
+                )
             )
             self.info = self._call(self._tm.start())
             self.limits = RequestLimits(self.info["context_length"], self.options.requests)
@@ -83,88 +95,49 @@ class RolloutEngine:
         return await asyncio.wrap_future(self._workers.submit(fn, *args, **kwargs))
 
     # ---- generation -----------------------------------------------------------------------
-    def generate(
-        self,
-        prompt: str | list[str] | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        token_ids_logprob: list[int] | None = None,
-        return_hidden_states: bool = False,
-        stream: bool = False,
-        rid: str | list[str] | None = None,
-    ) -> dict | list[dict] | Iterator[dict]:
+    # The arguments are GenerateRequest's fields (rollout/generate_request.py), or one
+    # GenerateRequest.
+    @takes_generate_request
+    def generate(self, request: GenerateRequest) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a list (or n > 1) a list of dicts, stream=True an iterator."""
-        inputs, batched = self._inputs(
-            prompt,
-            input_ids,
-            sampling_params,
-            rid,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            token_ids_logprob=token_ids_logprob,
-            return_hidden_states=return_hidden_states,
-            stream=stream,
-        )
-        if stream:
+        inputs, batched = self._inputs(request)
+        if request.stream:
             return self._stream_sync(inputs[0])
         results = self._call(self._gather(inputs))
         return results if batched else results[0]
 
+    @takes_generate_request
     async def async_generate(
-        self,
-        prompt: str | list[str] | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        token_ids_logprob: list[int] | None = None,
-        return_hidden_states: bool = False,
-        stream: bool = False,
-        rid: str | list[str] | None = None,
+        self, request: GenerateRequest
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate, awaited; with stream=True, an async iterator. Cancelling aborts."""
-        inputs, batched = await self.run_in_worker(
-            self._inputs,
-            prompt,
-            input_ids,
-            sampling_params,
-            rid,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            token_ids_logprob=token_ids_logprob,
-            return_hidden_states=return_hidden_states,
-            stream=stream,
-        )
-        if stream:
+        inputs, batched = await self.run_in_worker(self._inputs, request)
+        if request.stream:
             return self._stream_async(inputs[0])
-        results = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop))
+        results = await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop)
+        )
         return results if batched else results[0]
 
-    def validate_generate(
-        self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
-        rid: Any = None, **options: Any,
-    ) -> None:  # fmt: skip
+    @takes_generate_request
+    def validate_generate(self, request: GenerateRequest) -> None:
         """Raises what generate would for these arguments (ValueError, TypeError) without
         running anything: for callers that split one request into several."""
-        self._inputs(prompt, input_ids, sampling_params, rid, **{**options, "stream": False})
+        self._inputs(replace(request, stream=False))
 
-    def _inputs(self, *args: Any, **kw: Any) -> tuple[list[GenerateInput], bool]:
+    def _inputs(self, request: GenerateRequest) -> tuple[list[TokenizedRequest], bool]:
         self._check_open()
         if self.options.model.is_embedding:
             raise InvalidRequest(
                 "this engine serves embeddings (is_embedding=True): use encode, classify or score, "
                 "or start it without is_embedding to generate"
             )
-        return build_inputs(self.tokenizer, self.limits, *args, **kw)
+        return build_inputs(self.tokenizer, self.limits, request)
 
     # ---- embeddings, rewards and label scores (see embedding_requests.py) -------------------
-    def encode(self, prompt: Any = None, input_ids: Any = None, normalize: bool = False, rid: Any = None) -> Any:
+    def encode(
+        self, prompt: Any = None, input_ids: Any = None, normalize: bool = False, rid: Any = None
+    ) -> Any:
         """{"embedding": last-token final-norm hidden state (a classifier: its scores),
         "meta_info"} per prompt; a list in, a list out. Needs is_embedding=True."""
         return self._run(self._embed(prompt, input_ids, None, normalize, rid))
@@ -174,7 +147,9 @@ class RolloutEngine:
     ) -> Any:
         return await self._arun(self._embed, prompt, input_ids, None, normalize, rid)
 
-    def classify(self, prompt: Any = None, input_ids: Any = None, messages: Any = None, rid: Any = None) -> Any:
+    def classify(
+        self, prompt: Any = None, input_ids: Any = None, messages: Any = None, rid: Any = None
+    ) -> Any:
         """As encode; `messages` (a chat, or a list of chats) go through the chat template.
         With a reward model, "embedding" holds its num_labels scores."""
         return self._run(self._embed(prompt, input_ids, messages, False, rid))
@@ -199,7 +174,7 @@ class RolloutEngine:
         args = (query, items, label_token_ids, apply_softmax, item_first)
         return await self._arun(self._score, *args)
 
-    def _embed(self, *args: Any) -> tuple[list[GenerateInput], embedding_requests.Finish]:
+    def _embed(self, *args: Any) -> tuple[list[TokenizedRequest], embedding_requests.Finish]:
         self._check_open()
         if not self.options.model.is_embedding:
             raise InvalidRequest(
@@ -207,7 +182,7 @@ class RolloutEngine:
             )
         return embedding_requests.embed_inputs(self.tokenizer, self.limits, *args)
 
-    def _score(self, *args: Any) -> tuple[list[GenerateInput], embedding_requests.Finish]:
+    def _score(self, *args: Any) -> tuple[list[TokenizedRequest], embedding_requests.Finish]:
         self._check_open()
         if self.is_classifier:
             raise InvalidRequest(
@@ -216,7 +191,7 @@ class RolloutEngine:
             )
         return embedding_requests.score_inputs(self.tokenizer, self.limits, *args)
 
-    def _run(self, built: tuple[list[GenerateInput], embedding_requests.Finish]) -> Any:
+    def _run(self, built: tuple[list[TokenizedRequest], embedding_requests.Finish]) -> Any:
         inputs, finish = built
         return finish(self._call(self._gather(inputs)))
 
@@ -225,8 +200,8 @@ class RolloutEngine:
         fut = asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop)
         return finish(await asyncio.wrap_future(fut))
 
-    async def _gather(self, inputs: list[GenerateInput]) -> list[dict]:
-        async def one(inp: GenerateInput) -> dict:
+    async def _gather(self, inputs: list[TokenizedRequest]) -> list[dict]:
+        async def one(inp: TokenizedRequest) -> dict:
             last = None
             async for out in self._tm.generate(inp):
                 last = out
@@ -240,41 +215,13 @@ class RolloutEngine:
                 t.cancel()
             raise
 
-    def _stream_sync(self, inp: GenerateInput) -> Iterator[dict]:
+    def _stream_sync(self, inp: TokenizedRequest) -> Iterator[dict]:
         return loop_streams.to_thread(self._loop, lambda: self._tm.generate(inp))
 
-    def _stream_async(self, inp: GenerateInput) -> AsyncIterator[dict]:
+    def _stream_async(self, inp: TokenizedRequest) -> AsyncIterator[dict]:
         return loop_streams.to_loop(self._loop, lambda: self._tm.generate(inp))
 
-    # ---- weight sync (each builds its call of rollout/weight_sync/calls.py) -----------------
-    # Each returns the scheduler's {"success": True, "message": ..., ...}; bad arguments, or an
-    # update that doesn't fit the model, raise TypeError/ValueError, a file outside
-    # allowed_roots PermissionError, a failed transfer WeightSyncError (rollout/errors.py); a
-    # failed update leaves the previous weights and version serving.
-    def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float | None = None,
-    ) -> dict:  # fmt: skip
-        """Joins the trainer's weight update group (the trainer is rank 0 and hosts it) as rank
-        rank_offset; returns once all ranks joined, or fails after timeout_s."""
-        return self.control(calls.InitWeightsUpdateGroup(
-            master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s
-        ))  # fmt: skip
-
-    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict:
-        return self.control(calls.DestroyWeightsUpdateGroup(group_name))
-
-    def update_weights_from_distributed(
-        self, names: list[str], dtypes: list, shapes: list[list[int]],
-        group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
-        weight_version: str | None = None, load_format: str | None = None,
-    ) -> dict:  # fmt: skip
-        """Receives these tensors from rank 0's broadcasts (see distributed_source for the
-        order) and loads them all or none. Blocks until done: broadcast from another thread."""
-        return self.control(calls.UpdateWeightsFromDistributed(
-            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
-        ))  # fmt: skip
-
+    # ---- weight sync (the rest are ControlAPI's, rollout/control_api.py) -------------------
     def update_weights_from_tensor(
         self, named_tensors: calls.NamedTensors, load_format: str | None = None,
         flush_cache: bool = True, weight_version: str | None = None,
@@ -287,15 +234,8 @@ class RolloutEngine:
         with calls.UpdateWeightsFromTensor.shared(*args) as call:
             return self.control(call)
 
-    def update_weights_from_disk(
-        self, model_path: str, load_format: str | None = None, weight_version: str | None = None,
-        allowed_roots: list[str] | None = None,
-    ) -> dict:  # fmt: skip
-        """Loads a checkpoint directory of the same network (config checked), all or none.
-        allowed_roots: every file read must resolve under one of these (else PermissionError)."""
-        return self.control(
-            calls.UpdateWeightsFromDisk(model_path, load_format, weight_version, allowed_roots)
-        )
+    # allowed_roots: every file read must resolve under one of these (else PermissionError).
+    update_weights_from_disk = control_method(calls.UpdateWeightsFromDisk)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first truncate_size rows of a weight (HF name), as float lists."""
@@ -303,28 +243,6 @@ class RolloutEngine:
 
     def get_weight_version(self) -> str:
         return self.control(calls.GetWeightVersion())["weight_version"]
-
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
-        """Publishes new_version (staged updates commit under it). Requests in flight go on
-        (and report the change) unless abort_all_requests."""
-        return self.control(calls.UpdateWeightVersion(new_version, abort_all_requests))
-
-    def pause_generation(self, mode: str = "abort") -> dict:
-        """Stops stepping until continue_generation. abort: in-flight requests end (finish_reason
-        abort); retract: they go back to the queue and re-prefill later; in_place: they keep
-        their KV. New requests wait. Updates while paused apply together on continue."""
-        return self.control(calls.PauseGeneration(mode))
-
-    def continue_generation(self) -> dict:
-        return self.control(calls.ContinueGeneration())
-
-    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        """Gives back the memory of tags (weights, kv_cache, cuda_graph; None: all). Requests in
-        flight are retracted and continue after resume; new ones wait."""
-        return self.control(calls.ReleaseMemoryOccupation(tags))
-
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
-        return self.control(calls.ResumeMemoryOccupation(tags))
 
     # ---- control --------------------------------------------------------------------------
     def flush_cache(self) -> dict:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from rollout.control import ControlCall, check_bool
@@ -24,10 +25,14 @@ CONTROL_TAG = b"control"
 
 @dataclass
 class TokenizedRequest:
-    rid: str
+    """One sample to generate (`n` already expanded): prompt ids and options, built by
+    request_validation.build_inputs. The tokenizer manager sets `rid` (where the caller gave
+    none) and `seed` before it sends the request to the scheduler."""
+
+    rid: str | None
     input_ids: list[int]
     params: SamplingParams
-    seed: int
+    seed: int | None = None
     return_logprob: bool = False
     logprob_start_len: int | None = None  # None: no prompt logprobs
     top_logprobs_num: int = 0
@@ -37,6 +42,10 @@ class TokenizedRequest:
     # Prefill only, answered with the pooled last-token output instead of sampled tokens.
     embed: bool = False
     normalize: bool = False  # embed: scale the embedding to unit L2 norm
+    # Read by the tokenizer manager only, when it builds the caller's result:
+    return_text_in_logprobs: bool = False
+    # The tokens the context leaves after the prompt, where fewer than params.max_new_tokens.
+    max_new_tokens_capped: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,9 @@ class ControlRequest:
         return [CONTROL_TAG, json.dumps(wire).encode()]
 
     @classmethod
-    def from_frames(cls, frames: list[bytes], calls: dict[str, type[ControlCall]]) -> ControlRequest:
+    def from_frames(
+        cls, frames: list[bytes], calls: dict[str, type[ControlCall]]
+    ) -> ControlRequest:
         """`calls`: each call type by name (see engine/control_calls.CALLS)."""
         wire = json.loads(frames[1])
         return cls(wire["id"], calls[wire["call"]](**wire["args"]))
@@ -129,9 +140,65 @@ class DecodeParams:
     no_stop_trim: bool = False
 
 
+# A logprob entry as the scheduler sends it: (logprob, token id). The caller gets
+# (logprob, token id, text or None) (see LogprobColumns.entries).
+Entry = tuple[float, int]
+
+
+@dataclass
+class LogprobColumns:
+    """One request's logprobs in SGLang's six columns, named as the keys of `meta_info`. Per
+    position: the token's entry (None for a prompt's first token), the top-k entries, and the
+    entries of the requested ids (token_ids_logprob)."""
+
+    output_token_logprobs: list[Entry] = field(default_factory=list)
+    output_top_logprobs: list[list[Entry] | None] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[Entry] | None] = field(default_factory=list)
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[Entry] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[Entry] | None] = field(default_factory=list)
+
+    def add_token(self, token: Entry, top: list[Entry] | None, by_id: list[Entry] | None) -> None:
+        """One generated position."""
+        self.output_token_logprobs.append(token)
+        self.output_top_logprobs.append(top)
+        self.output_token_ids_logprobs.append(by_id)
+
+    def add_prompt(self, tokens: list, tops: list, by_id: list) -> None:
+        """Prompt positions, in order."""
+        self.input_token_logprobs.extend(tokens)
+        self.input_top_logprobs.extend(tops)
+        self.input_token_ids_logprobs.extend(by_id)
+
+    def extend(self, later: LogprobColumns) -> None:
+        for f in fields(self):
+            getattr(self, f.name).extend(getattr(later, f.name))
+
+    def entries(self, text_of: Callable[[int], str] | None = None) -> dict[str, list]:
+        """The columns as the caller gets them: each entry (logprob, id, text), text None
+        unless `text_of` gives it."""
+
+        def one(entry: tuple | None) -> tuple | None:
+            if entry is None:
+                return None
+            return (entry[0], entry[1], None if text_of is None else text_of(entry[1]))
+
+        def many(entries: list | None) -> list | None:
+            return None if entries is None else [one(e) for e in entries]
+
+        out = {}
+        for f in fields(self):
+            column = getattr(self, f.name)
+            per_position = f.name.endswith("_token_logprobs")
+            out[f.name] = [one(e) for e in column] if per_position else [many(e) for e in column]
+        return out
+
+
 @dataclass
 class ReqOutput:
-    """What is new for one request since its last ReqOutput (token ids and logprobs are deltas)."""
+    """What is new for one request since its last ReqOutput: ids, logprobs, hidden states and
+    version changes are deltas; the counts, finish reason and version are as of now. The
+    tokenizer manager extends the first output it gets with each later one."""
 
     rid: str
     new_ids: list[int]
@@ -142,12 +209,7 @@ class ReqOutput:
     completion_tokens: int
     cached_tokens: int
     weight_version: str
-    output_token_logprobs: list[tuple[float, int]] | None = None
-    output_top_logprobs: list[list[tuple[float, int]]] | None = None
-    output_token_ids_logprobs: list[list[tuple[float, int]]] | None = None
-    input_token_logprobs: list[tuple[float | None, int]] | None = None
-    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
-    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    logprobs: LogprobColumns | None = None  # requests with return_logprob
     hidden_states: list[list[float]] | None = None
     embedding: list[float] | None = None  # embed requests, on their final output
     # {"offset": k, "weight_version": v}: output tokens from k on came from version v's weights.
@@ -156,6 +218,30 @@ class ReqOutput:
     decode_params: DecodeParams | None = None
     # Filled in by the detokenizer:
     text: str = ""  # delta since the last ReqOutput
+
+    def extend(self, later: ReqOutput) -> None:
+        """Adds a later output of the same request: this one then holds everything so far."""
+        self.new_ids.extend(later.new_ids)
+        self.text += later.text
+        for name in (
+            "finish_reason",
+            "prompt_tokens",
+            "completion_tokens",
+            "cached_tokens",
+            "weight_version",
+        ):
+            setattr(self, name, getattr(later, name))
+        self.embedding = later.embedding if later.embedding is not None else self.embedding
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = LogprobColumns()
+            self.logprobs.extend(later.logprobs)
+        if later.hidden_states:
+            self.hidden_states = self.hidden_states or []
+            self.hidden_states.extend(later.hidden_states)
+        if later.weight_version_changes:
+            self.weight_version_changes = self.weight_version_changes or []
+            self.weight_version_changes.extend(later.weight_version_changes)
 
 
 @dataclass

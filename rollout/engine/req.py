@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from rollout.engine.messages import DecodeParams, ReqOutput, TokenizedRequest
+from rollout.engine.messages import DecodeParams, LogprobColumns, ReqOutput, TokenizedRequest
+from rollout.engine.radix_cache import TreeNode
 from rollout.forward.forward_batch import ForwardMode
 
 
@@ -24,20 +25,27 @@ class Req:
     row: int | None = None
     prefix_len: int = 0
     kv_len: int = 0
-    locked_node: Any = None
+    locked_node: TreeNode | None = None
     cached_tokens: int = 0
     finish_reason: dict[str, Any] | None = None
     # Deltas not yet sent to the detokenizer.
     sent_ids: int = 0
     reported: bool = False
     input_logprobs_done: bool = False
-    pending: dict[str, list] = field(default_factory=dict)
+    # News since the last output: logprobs (requests with return_logprob), hidden states,
+    # the embedding of an embed request, weight version changes.
+    logprobs: LogprobColumns | None = None
+    hidden_states: list[list[float]] = field(default_factory=list)
+    embedding: list[float] | None = None
+    version_changes: list[dict[str, Any]] = field(default_factory=list)
     # Does sampling read the tokens generated so far (repetition, frequency or presence
     # penalties)? Then each token must be on the host before the next one is sampled. Read
     # once from the params (they never change): the scheduler asks every step.
     penalizes: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.req.return_logprob:
+            self.logprobs = LogprobColumns()
         p = self.req.params
         self.penalizes = (
             p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
@@ -74,14 +82,10 @@ class Req:
             limit = min(limit, max(self.req.logprob_start_len, 1) - 1)
         return max(limit, 0)
 
-    def add_pending(self, key: str, value: Any) -> None:
-        self.pending.setdefault(key, []).append(value)
-
     def take_output(self, weight_version: str) -> ReqOutput:
         """The request's news since its last output; clears what it reports."""
         new_ids = self.output_ids[self.sent_ids :]
         self.sent_ids = len(self.output_ids)
-        p, self.pending = self.pending, {}
         decode_params = None
         if not self.reported:
             self.reported = True
@@ -92,7 +96,7 @@ class Req:
                 params.spaces_between_special_tokens,
                 params.no_stop_trim,
             )
-        return ReqOutput(
+        out = ReqOutput(
             rid=self.rid,
             new_ids=new_ids,
             finish_reason=self.finish_reason,
@@ -100,17 +104,16 @@ class Req:
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens,
             weight_version=weight_version,
-            output_token_logprobs=p.get("output_token_logprobs"),
-            output_top_logprobs=p.get("output_top_logprobs"),
-            output_token_ids_logprobs=p.get("output_token_ids_logprobs"),
-            input_token_logprobs=p.get("input_token_logprobs"),
-            input_top_logprobs=p.get("input_top_logprobs"),
-            input_token_ids_logprobs=p.get("input_token_ids_logprobs"),
-            hidden_states=p.get("hidden_states"),
-            embedding=p["embedding"][-1] if p.get("embedding") else None,
-            weight_version_changes=p.get("weight_version_changes"),
+            logprobs=self.logprobs,
+            hidden_states=self.hidden_states or None,
+            embedding=self.embedding,
+            weight_version_changes=self.version_changes or None,
             decode_params=decode_params,
         )
+        if self.logprobs is not None:
+            self.logprobs = LogprobColumns()
+        self.hidden_states, self.embedding, self.version_changes = [], None, []
+        return out
 
 
 @dataclass

@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from rollout.config import MAX_SAMPLES_PER_CALL
+from rollout.engine.messages import TokenizedRequest
 from rollout.engine.request_limits import RequestLimits, check_unicode
 from rollout.engine.sampling_params import SamplingParams
 from rollout.errors import InvalidRequest, InvalidRequestType
-
-
-@dataclass
-class GenerateInput:
-    """One sample to generate: prompt ids plus options. `n` is already expanded."""
-
-    input_ids: list[int]
-    params: SamplingParams
-    rid: str | None = None
-    return_logprob: bool = False
-    logprob_start_len: int | None = None
-    top_logprobs_num: int = 0
-    token_ids_logprob: list[int] | None = None
-    return_hidden_states: bool = False
-    stream: bool = False
-    embed: bool = False  # prefill only; the result is the pooled last-token output
-    normalize: bool = False
-    # The tokens the context leaves after the prompt, where fewer than params.max_new_tokens.
-    max_new_tokens_capped: int | None = None
+from rollout.generate_request import GenerateRequest
 
 
 def _as_params(value: Any) -> SamplingParams:
@@ -37,11 +20,15 @@ def _as_params(value: Any) -> SamplingParams:
         return value
     if isinstance(value, dict):
         return SamplingParams.from_dict(value)
-    raise InvalidRequestType(f"sampling_params must be a dict or SamplingParams, got {type(value).__name__}")
+    raise InvalidRequestType(
+        f"sampling_params must be a dict or SamplingParams, got {type(value).__name__}"
+    )
 
 
 def _is_id_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
 
 
 def encode_prompt(
@@ -56,78 +43,35 @@ def encode_prompt(
 
 
 def build_inputs(
-    tokenizer: Any,
-    limits: RequestLimits,
-    prompt: str | list[str] | None,
-    input_ids: list[int] | list[list[int]] | None,
-    sampling_params: Any,
-    rid: str | list[str] | None,
-    **options: Any,
-) -> tuple[list[GenerateInput], bool]:
+    tokenizer: Any, limits: RequestLimits, request: GenerateRequest
+) -> tuple[list[TokenizedRequest], bool]:
     """Returns the expanded samples (prompt-major, n per prompt) and whether the call was batched.
     The bounds of `limits` hold before any prompt is tokenized, but for the response's size,
     which needs the prompts' lengths (and is checked before anything runs)."""
-    if (prompt is None) == (input_ids is None):
-        raise InvalidRequest("give exactly one of prompt or input_ids")
-    if prompt is not None:
-        batched = isinstance(prompt, list)
-        texts = prompt if batched else [prompt]
-        for i, t in enumerate(texts):
-            if not isinstance(t, str):
-                raise InvalidRequestType(f"prompt must be a str or a list of str, got {type(t).__name__}")
-            if not t:
-                raise InvalidRequest("prompt is empty")
-            limits.check_text(t, f"prompt {i}" if batched else "the prompt")
-        ids_list: list = texts  # tokenized below, once every other argument is checked
-    else:
-        batched = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
-        ids_list = input_ids if batched else [input_ids]
-        for ids in ids_list:
-            if isinstance(ids, list):  # the cheap check first: long lists are slow to scan
-                validate_prompt_length(len(ids), limits.context_length)
-            if not _is_id_list(ids):
-                raise InvalidRequestType("input_ids must be a list of int or a list of lists of int")
-    if not ids_list:
-        raise InvalidRequest("the list of prompts is empty")
-
-    if isinstance(sampling_params, list):
-        if len(sampling_params) != len(ids_list):
-            raise InvalidRequest(
-                f"sampling_params has {len(sampling_params)} entries for {len(ids_list)} prompts"
-            )
-        given = sampling_params
-    else:
-        given = [sampling_params]
-    params_list = [_as_params(p) for p in given]
-    for params, g in zip(params_list, given):
-        _check_params(params, limits, g)
-    if len(params_list) != len(ids_list):
-        params_list = params_list * len(ids_list)  # one params object for every prompt
-    rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
-    if len(rids) != len(ids_list):
-        raise InvalidRequest(f"rid has {len(rids)} entries for {len(ids_list)} prompts")
+    prompts, batched = _prompts(limits, request)
+    params_list = _params(limits, request.sampling_params, len(prompts))
+    rids = request.rid if isinstance(request.rid, list) else [request.rid] * len(prompts)
+    if len(rids) != len(prompts):
+        raise InvalidRequest(f"rid has {len(rids)} entries for {len(prompts)} prompts")
     for r in rids:
-        if isinstance(r, str):
+        if r is not None:
             check_unicode(r, "rid")
-
-    logprob_start_len = options.get("logprob_start_len")
+    logprob_start_len = request.logprob_start_len
     if logprob_start_len is not None and logprob_start_len < 0:
         logprob_start_len = None  # SGLang's -1: no prompt logprobs
-    top = options.get("top_logprobs_num") or 0
-    if not isinstance(top, int) or top < 0:
+    top = request.top_logprobs_num or 0
+    if top < 0:
         raise InvalidRequest(f"top_logprobs_num must be an int >= 0, got {top!r}")
     limits.check_top_logprobs_num(top)
-    token_ids_logprob = options.get("token_ids_logprob")
+    token_ids_logprob = request.token_ids_logprob
     if token_ids_logprob is not None and not _is_id_list(token_ids_logprob):
         raise InvalidRequestType("token_ids_logprob must be a list of int")
-
     total = sum(p.n for p in params_list)
     if total > MAX_SAMPLES_PER_CALL:
         raise InvalidRequest(
             f"one call may ask for at most {MAX_SAMPLES_PER_CALL} samples (prompts x n), got {total}"
         )
-    if prompt is not None:
-        ids_list = [tokenizer.encode(t) for t in ids_list]
+    ids_list = [tokenizer.encode(t) for t in prompts] if request.prompt is not None else prompts
     for ids in ids_list:
         if not ids:
             raise InvalidRequest("prompt is empty (no input ids)")
@@ -136,37 +80,104 @@ def build_inputs(
             raise InvalidRequest(
                 f"logprob_start_len must be < the prompt length {len(ids)}, got {logprob_start_len}"
             )
-    return_logprob = bool(options.get("return_logprob"))
-    if return_logprob:
+    if request.return_logprob:
         per_position = top + len(token_ids_logprob or ())
-        prompts = [(len(ids), p) for ids, p in zip(ids_list, params_list)]
-        limits.check_logprob_entries(prompts, logprob_start_len, per_position)
-
-    out: list[GenerateInput] = []
-    for ids, params, r in zip(ids_list, params_list, rids):
-        budget = limits.new_token_budget(len(ids), params.max_new_tokens)
-        for i in range(params.n):
-            sample_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
-                sample_params = replace(params, n=1, seed=seed)
-            out.append(
-                GenerateInput(
-                    input_ids=list(ids),
-                    params=sample_params,
-                    rid=None if r is None else (r if params.n == 1 else f"{r}-{i}"),
-                    return_logprob=return_logprob,
-                    logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top,
-                    token_ids_logprob=token_ids_logprob,
-                    return_hidden_states=bool(options.get("return_hidden_states")),
-                    stream=bool(options.get("stream")),
-                    max_new_tokens_capped=budget if budget < params.max_new_tokens else None,
-                )
-            )
-    if out[0].stream and len(out) > 1:
+        sizes = [(len(ids), p) for ids, p in zip(ids_list, params_list)]
+        limits.check_logprob_entries(sizes, logprob_start_len, per_position)
+    template = TokenizedRequest(
+        rid=None,
+        input_ids=[],
+        params=SamplingParams(),
+        return_logprob=request.return_logprob,
+        logprob_start_len=logprob_start_len,
+        top_logprobs_num=top,
+        token_ids_logprob=token_ids_logprob,
+        return_hidden_states=request.return_hidden_states,
+        stream=request.stream,
+        return_text_in_logprobs=request.return_text_in_logprobs,
+    )
+    out = [
+        sample
+        for ids, params, rid in zip(ids_list, params_list, rids)
+        for sample in _samples(template, limits, ids, params, rid)
+    ]
+    if request.stream and len(out) > 1:
         raise InvalidRequest("stream=True takes one prompt with n=1; stream each sample separately")
     return out, batched or len(out) > 1
+
+
+def _prompts(limits: RequestLimits, request: GenerateRequest) -> tuple[list, bool]:
+    """The prompts as texts (tokenized later, once every other argument is checked) or id
+    lists, and whether they came as a batch."""
+    prompt, input_ids = request.prompt, request.input_ids
+    if (prompt is None) == (input_ids is None):
+        raise InvalidRequest("give exactly one of prompt or input_ids")
+    if prompt is not None:
+        batched = isinstance(prompt, list)
+        texts = prompt if batched else [prompt]
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise InvalidRequestType(
+                    f"prompt must be a str or a list of str, got {type(t).__name__}"
+                )
+            if not t:
+                raise InvalidRequest("prompt is empty")
+            limits.check_text(t, f"prompt {i}" if batched else "the prompt")
+        prompts = texts
+    else:
+        batched = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        prompts = input_ids if batched else [input_ids]
+        for ids in prompts:
+            if isinstance(ids, list):  # the cheap check first: long lists are slow to scan
+                validate_prompt_length(len(ids), limits.context_length)
+            if not _is_id_list(ids):
+                raise InvalidRequestType(
+                    "input_ids must be a list of int or a list of lists of int"
+                )
+    if not prompts:
+        raise InvalidRequest("the list of prompts is empty")
+    return prompts, batched
+
+
+def _params(limits: RequestLimits, sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
+    """One checked SamplingParams per prompt."""
+    if isinstance(sampling_params, list):
+        if len(sampling_params) != num_prompts:
+            raise InvalidRequest(
+                f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompts"
+            )
+        given = sampling_params
+    else:
+        given = [sampling_params]
+    params_list = [_as_params(p) for p in given]
+    for params, g in zip(params_list, given):
+        _check_params(params, limits, g)
+    return params_list if len(params_list) == num_prompts else params_list * num_prompts
+
+
+def _samples(
+    template: TokenizedRequest, limits: RequestLimits, ids: list[int], params: SamplingParams,
+    rid: str | None,
+) -> list[TokenizedRequest]:  # fmt: skip
+    """The n samples of one prompt: seeds seed, seed + 1, ... and rids rid-0, rid-1, ..."""
+    budget = limits.new_token_budget(len(ids), params.max_new_tokens)
+    capped = budget if budget < params.max_new_tokens else None
+    if params.n == 1:
+        return [
+            replace(
+                template, rid=rid, input_ids=list(ids), params=params, max_new_tokens_capped=capped
+            )
+        ]
+    return [
+        replace(
+            template,
+            rid=None if rid is None else f"{rid}-{i}",
+            input_ids=list(ids),
+            params=replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+            max_new_tokens_capped=capped,
+        )
+        for i in range(params.n)
+    ]
 
 
 def _check_params(params: SamplingParams, limits: RequestLimits, given: Any) -> None:
@@ -178,7 +189,7 @@ def _check_params(params: SamplingParams, limits: RequestLimits, given: Any) -> 
         check_unicode(stop, "a stop string")
 
 
-def validate_for_model(inp: GenerateInput, vocab_size: int, context_length: int) -> None:
+def validate_for_model(inp: TokenizedRequest, vocab_size: int, context_length: int) -> None:
     """Checks what depends on the model: prompt length and every token id against the vocabulary."""
     validate_input_ids(inp.input_ids, vocab_size, context_length)
     bad = [t for t in inp.token_ids_logprob or () if not 0 <= t < vocab_size]

@@ -69,16 +69,17 @@ class ResultRecorder:
         if not samples:
             return False
         if out.embedding is not None:
-            req.add_pending("embedding", out.embedding)
+            req.embedding = out.embedding
         if req.max_new_tokens == 0:  # prefill only: prompt logprobs, no sampling
             self.finish(req, {"type": "length", "length": 0})
             return True
         return self._record_token(req, out)
 
     def _record_prompt_logprobs(self, req: Req, out: ReqStepOutput) -> None:
-        req.pending.setdefault("input_token_logprobs", []).extend(out.input_token_logprobs)
-        req.pending.setdefault("input_top_logprobs", []).extend(out.input_top_logprobs)
-        req.pending.setdefault("input_token_ids_logprobs", []).extend(out.input_token_ids_logprobs)
+        assert req.logprobs is not None  # prompt logprobs are computed for return_logprob only
+        req.logprobs.add_prompt(
+            out.input_token_logprobs, out.input_top_logprobs, out.input_token_ids_logprobs
+        )
 
     def _record_token(self, req: Req, out: ReqStepOutput) -> bool:
         """Appends the sampled token; returns whether it finished the request."""
@@ -86,12 +87,10 @@ class ResultRecorder:
         assert token is not None
         req.output_ids.append(token)
         self.generated_tokens += 1
-        if out.token_logprob is not None:
-            req.add_pending("output_token_logprobs", out.token_logprob)
-            req.add_pending("output_top_logprobs", out.top_logprobs)
-            req.add_pending("output_token_ids_logprobs", out.token_ids_logprobs)
+        if out.token_logprob is not None and req.logprobs is not None:
+            req.logprobs.add_token(out.token_logprob, out.top_logprobs, out.token_ids_logprobs)
         if out.hidden_state is not None:
-            req.add_pending("hidden_states", out.hidden_state)
+            req.hidden_states.append(out.hidden_state)
         reason = self.stop_checker.check(req)
         if reason is None and len(req.output_ids) >= req.max_new_tokens:
             reason = {"type": "length", "length": len(req.output_ids)}

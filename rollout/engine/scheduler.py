@@ -185,7 +185,7 @@ class Scheduler:
         for req in self._live():
             if req.output_ids or req.kv_len:
                 change = {"offset": len(req.output_ids), "weight_version": version}
-                req.add_pending("weight_version_changes", change)
+                req.version_changes.append(change)
         if weights_changed:
             self.kv.invalidate_cache(self._live())
         self.weight_version = version

@@ -11,7 +11,7 @@ import pickle
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
@@ -31,8 +31,9 @@ from rollout.engine.messages import (
     is_control,
     public_error,
 )
-from rollout.engine.output_builder import Accumulated, accumulate, build_output
-from rollout.engine.request_validation import GenerateInput, validate_for_model
+from rollout.engine.output_builder import TokenText, build_output
+from rollout.engine.processes import Addresses
+from rollout.engine.request_validation import validate_for_model
 from rollout.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,11 @@ class ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any, addrs: Any, random_seed: int, is_alive: Callable[[], bool]) -> None:
+    def __init__(
+        self, tokenizer: Any, addrs: Addresses, random_seed: int, is_alive: Callable[[], bool]
+    ) -> None:
         self.tokenizer = tokenizer
+        self.text_of = TokenText(tokenizer)  # the text of logprob entries, for all requests
         self.is_alive = is_alive
         self.random_seed = random_seed
         self._seed_counter = itertools.count()
@@ -93,7 +97,7 @@ class TokenizerManager:
     def next_seed(self) -> int:
         return (self.random_seed * 1_000_003 + next(self._seed_counter)) & 0x7FFFFFFF
 
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, inp: TokenizedRequest) -> AsyncIterator[dict[str, Any]]:
         """Yields output dicts for one (already validated, single-sample) request: one at the end,
         or one per update when streaming. Cancelling the consumer aborts the request."""
         self._check_alive()
@@ -102,22 +106,9 @@ class TokenizerManager:
         if rid in self.states:
             raise InvalidRequest(f"rid {rid!r} is already in use by a running request")
         seed = inp.params.seed if inp.params.seed is not None else self.next_seed()
-        treq = TokenizedRequest(
-            rid=rid,
-            input_ids=inp.input_ids,
-            params=inp.params,
-            seed=seed,
-            return_logprob=inp.return_logprob,
-            logprob_start_len=inp.logprob_start_len,
-            top_logprobs_num=inp.top_logprobs_num,
-            token_ids_logprob=inp.token_ids_logprob,
-            return_hidden_states=inp.return_hidden_states,
-            stream=inp.stream,
-            embed=inp.embed,
-            normalize=inp.normalize,
-        )
+        treq = replace(inp, rid=rid, seed=seed)
         state = self.states[rid] = ReqState()
-        acc = Accumulated(rid, inp)
+        total: ReqOutput | None = None  # every output so far, extended into the first
         finished = False
         try:
             await self.send.send_pyobj(treq)
@@ -130,10 +121,13 @@ class TokenizerManager:
                     # Not `finished`: the abort sent below frees it where it still runs (a
                     # failure in the detokenizer leaves it running in the scheduler).
                     raise RequestFailedError(f"request {rid} failed: {reason.get('message')}")
-                accumulate(acc, item)
+                if total is None:
+                    total = item
+                else:
+                    total.extend(item)
                 finished = item.finish_reason is not None
                 if finished or inp.stream:
-                    yield build_output(acc, time.monotonic() - state.created)
+                    yield build_output(total, treq, time.monotonic() - state.created, self.text_of)
         finally:
             self.states.pop(rid, None)
             if not finished and self.dead is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import struct
 from collections.abc import Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
@@ -16,6 +16,9 @@ from rollout.server.json_body import OffLoopRoute
 from rollout.server.native import TokenIds
 from rollout.server.responses import JSON, error, json_response
 from rollout.server.streaming import until_disconnect
+
+if TYPE_CHECKING:
+    from rollout.engine.engine import RolloutEngine
 
 router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
 
@@ -77,7 +80,11 @@ def _engine(request: Request) -> Any:
 def _check_model(request: Request, model: str) -> JSON | None:
     known = {request.app.state.model_name, _engine(request).options.model.model_path}
     if model not in known:
-        return error(404, f"model {model!r} is not served here; use {request.app.state.model_name!r}", "model_not_found")
+        return error(
+            404,
+            f"model {model!r} is not served here; use {request.app.state.model_name!r}",
+            "model_not_found",
+        )
     return None
 
 
@@ -154,7 +161,9 @@ async def rerank(body: RerankRequest, request: Request) -> Any:
         return error(400, "documents must be a non-empty list of str")
     if body.top_n is not None and body.top_n < 1:
         return error(400, f"top_n must be >= 1, got {body.top_n}")
-    scores = await until_disconnect(request, relevance(_engine(request), body.query, body.documents))
+    scores = await until_disconnect(
+        request, relevance(_engine(request), body.query, body.documents)
+    )
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n]
     results = []
     for i in order:
@@ -165,7 +174,7 @@ async def rerank(body: RerankRequest, request: Request) -> Any:
     return results
 
 
-async def relevance(engine: Any, query: str, documents: list[str]) -> list[float]:
+async def relevance(engine: RolloutEngine, query: str, documents: list[str]) -> list[float]:
     if engine.is_classifier:
         pairs = await engine.run_in_worker(_pair_ids, engine, query, documents)
         outs = await engine.async_classify(input_ids=pairs)
@@ -175,7 +184,7 @@ async def relevance(engine: Any, query: str, documents: list[str]) -> list[float
     return [sum(a * b for a, b in zip(q, o["embedding"])) for o in outs[1:]]
 
 
-def _pair_ids(engine: Any, query: str, documents: list[str]) -> list[list[int]]:
+def _pair_ids(engine: RolloutEngine, query: str, documents: list[str]) -> list[list[int]]:
     """The cross-encoder's input ids of each (query, document) pair. A tokenizer call: on the
     engine's worker threads, each pair first checked to fit the context (as a prompt is)."""
     for i, doc in enumerate(documents):

@@ -17,9 +17,12 @@ import asyncio
 import logging
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
+
+if TYPE_CHECKING:
+    from rollout.engine.engine import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ class EngineServer(uvicorn.Server):
     waits for the answers to go out. If the engine dies, the server shuts down too and
     `engine_died` is set, so that the process exits non-zero and a supervisor restarts it."""
 
-    def __init__(self, config: uvicorn.Config, engine: Any, app_state: Any) -> None:
+    def __init__(self, config: uvicorn.Config, engine: RolloutEngine, app_state: Any) -> None:
         super().__init__(config)
         self.engine = engine
         self.app_state = app_state
@@ -111,7 +114,7 @@ class EngineServer(uvicorn.Server):
                 self.should_exit = True
 
 
-def _abort_all(engine: Any) -> None:
+def _abort_all(engine: RolloutEngine) -> None:
     try:
         engine.abort_request(abort_all=True)
     except Exception as e:  # noqa: BLE001 - shutting down regardless (e.g. the engine is dead)

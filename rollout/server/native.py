@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+import typing
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, SkipValidation
+from pydantic import BaseModel, ConfigDict, SkipValidation, create_model
 
 from rollout.engine.messages import AbortRequest
+from rollout.generate_request import WIRE_NAMES, GenerateRequest
 from rollout.server.json_body import OffLoopRoute
-from rollout.server.openai_format import TokenText
-from rollout.server.responses import JSON, error, is_large, json_response
+from rollout.server.responses import JSON, error, json_response
 from rollout.server.streaming import (
     error_event,
     first_item,
@@ -33,20 +35,17 @@ TokenIds = SkipValidation[list[int] | list[list[int]] | None]
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _generate_body() -> type[BaseModel]:
+    """The JSON body of /generate: GenerateRequest's fields under their JSON names."""
+    hints = typing.get_type_hints(GenerateRequest)
+    body: dict[str, Any] = {}
+    for f in dataclasses.fields(GenerateRequest):
+        kind = TokenIds if f.name == "input_ids" else hints[f.name]
+        body[WIRE_NAMES.get(f.name, f.name)] = (kind, f.default)
+    return create_model("GenerateBody", __config__=ConfigDict(extra="forbid"), **body)
 
-    text: str | list[str] | None = None
-    input_ids: TokenIds = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool = False
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
-    token_ids_logprob: list[int] | None = None
-    return_hidden_states: bool = False
-    return_text_in_logprobs: bool = False  # fill each logprob entry's third element with its text
-    stream: bool = False
-    rid: str | list[str] | None = None
+
+GenerateBody = _generate_body()
 
 
 class AbortRequestBody(BaseModel):
@@ -60,62 +59,32 @@ def _engine(request: Request) -> Any:
     return request.app.state.engine
 
 
-# The fields of GenerateRequest that are not engine.async_generate's arguments.
-_SERVER_FIELDS = frozenset({"text", "return_text_in_logprobs", "stream"})
-
-
-def add_token_text(out: dict, text_of: TokenText) -> None:
-    """(logprob, id, None) -> (logprob, id, text) in every logprob list of one output."""
-    meta = out["meta_info"]
-
-    def fill(entry: Any) -> Any:
-        if entry is None:
-            return None
-        if isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], (list, tuple)):
-            return [fill(e) for e in entry]
-        return (entry[0], entry[1], text_of(entry[1]))
-
-    for key, value in meta.items():
-        if key.endswith("_logprobs") and isinstance(value, list):
-            meta[key] = [fill(e) for e in value]
-
-
 @router.post("/generate")
-async def generate(body: GenerateRequest, request: Request) -> Any:
+async def generate(body: GenerateBody, request: Request) -> Any:
     engine, metrics = _engine(request), request.app.state.metrics
     owners, role = request.app.state.owners, request.state.role
     # The fields as they are: model_dump would copy a long input_ids on the event loop.
-    kwargs = {k: getattr(body, k) for k in GenerateRequest.model_fields if k not in _SERVER_FIELDS}
-    kwargs["prompt"] = body.text
+    call = GenerateRequest.from_json({k: getattr(body, k) for k in GenerateBody.model_fields})
     start = time.monotonic()
-    text_of = TokenText(engine.tokenizer)  # one cache for all the outputs of this request
-
-    def finish(out: Any) -> Any:
-        if body.return_text_in_logprobs:
-            for one in out if isinstance(out, list) else [out]:
-                add_token_text(one, text_of)
-        return out
 
     if not body.stream:
-        with owners.claim(body.rid, role):
-            result = await until_disconnect(request, engine.async_generate(**kwargs))
+        with owners.claim(call.rid, role):
+            result = await until_disconnect(request, engine.async_generate(call))
         outs = result if isinstance(result, list) else [result]
         metrics.observe("generate", outs, time.monotonic() - start)
-        if is_large(result):  # decoding a million logprob entries' texts is seconds of work
-            return await json_response(await asyncio.to_thread(finish, result))
-        return await json_response(finish(result))
+        return await json_response(result)
 
-    stream = owners.stream(engine.async_generate(**kwargs, stream=True), body.rid, role)
+    stream = owners.stream(engine.async_generate(call), call.rid, role)
     first, rest = await first_item(stream)
     metrics.ttft.observe(time.monotonic() - start)
 
     async def events() -> AsyncIterator[str | bytes]:
         last = first
         try:
-            yield await sse_event(first, finish)
+            yield await sse_event(first)
             async for out in rest:
                 last = out
-                yield await sse_event(out, finish)
+                yield await sse_event(out)
         except Exception as e:  # noqa: BLE001 - the 200 is sent: the error goes in the stream
             yield error_event(e, request)
         else:
@@ -139,7 +108,9 @@ async def health_generate(request: Request) -> JSON:
     if engine.options.model.is_embedding:  # prefill-only: one prompt through encode
         work = engine.async_encode(input_ids=[0])
     else:
-        work = engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        work = engine.async_generate(
+            input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}
+        )
     try:
         await asyncio.wait_for(work, HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:

@@ -6,16 +6,16 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
 from rollout.engine.chat_template import chat_ids
+from rollout.engine.output_builder import TokenText
 from rollout.engine.request_validation import encode_prompt
 from rollout.errors import InvalidRequest
 from rollout.server.json_body import OffLoopRoute
 from rollout.server.openai_format import (
-    TokenText,
     chat_logprobs,
     completion_logprobs,
     finish_reason,
@@ -32,6 +32,9 @@ from rollout.server.streaming import (
     until_disconnect,
 )
 
+if TYPE_CHECKING:
+    from rollout.engine.engine import RolloutEngine
+
 router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
@@ -44,13 +47,20 @@ def _model_card(name: str, created: int) -> dict:
 def _check_model(request: Request, model: str) -> JSON | None:
     known = {request.app.state.model_name, request.app.state.engine.options.model.model_path}
     if model not in known:
-        return error(404, f"model {model!r} is not served here; use {request.app.state.model_name!r}", "model_not_found")
+        return error(
+            404,
+            f"model {model!r} is not served here; use {request.app.state.model_name!r}",
+            "model_not_found",
+        )
     return None
 
 
 @router.get("/v1/models")
 def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_model_card(request.app.state.model_name, request.app.state.started)]}
+    return {
+        "object": "list",
+        "data": [_model_card(request.app.state.model_name, request.app.state.started)],
+    }
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -62,7 +72,7 @@ def get_model(model_id: str, request: Request) -> Any:
 
 # The two below tokenize and render templates: they run on the engine's worker threads
 # (engine.run_in_worker), never on the server's event loop.
-def _prompts(body: CompletionRequest, engine: Any) -> tuple[list[list[int]], list[str]]:
+def _prompts(body: CompletionRequest, engine: RolloutEngine) -> tuple[list[list[int]], list[str]]:
     """The prompts' ids, and the text each echoes (empty without echo)."""
     p = body.prompt
     if isinstance(p, str):
@@ -81,7 +91,7 @@ def _prompts(body: CompletionRequest, engine: Any) -> tuple[list[list[int]], lis
     return prompts, echo
 
 
-def _chat_prompt(body: ChatCompletionRequest, engine: Any) -> list[int]:
+def _chat_prompt(body: ChatCompletionRequest, engine: RolloutEngine) -> list[int]:
     messages = [m.as_template_input() for m in body.messages]
     return chat_ids(
         engine.tokenizer,
@@ -94,7 +104,13 @@ def _chat_prompt(body: ChatCompletionRequest, engine: Any) -> list[int]:
 
 
 async def _run(
-    request: Request, endpoint: str, body: SamplingFields, prompts: list[list[int]], max_new: int, top: int | None, build: Any
+    request: Request,
+    endpoint: str,
+    body: SamplingFields,
+    prompts: list[list[int]],
+    max_new: int,
+    top: int | None,
+    build: Any,
 ) -> Any:
     """Non-streamed: one engine call for every prompt x n; `build(outputs)` makes the response."""
     engine = request.app.state.engine
@@ -116,7 +132,9 @@ async def _run(
     return await json_response(build(outputs))
 
 
-async def _open_streams(request: Request, body: SamplingFields, prompts: list[list[int]], max_new: int, top: int | None) -> list[AsyncIterator[dict]]:
+async def _open_streams(
+    request: Request, body: SamplingFields, prompts: list[list[int]], max_new: int, top: int | None
+) -> list[AsyncIterator[dict]]:
     """One engine stream per prompt x sample (seeds as the non-streamed call would give them);
     each is started and its first output awaited, so bad input fails before the 200."""
     engine = request.app.state.engine
@@ -132,8 +150,11 @@ async def _open_streams(request: Request, body: SamplingFields, prompts: list[li
             p = {**params, "n": 1, "seed": None if body.seed is None else body.seed + j}
             streams.append(
                 await engine.async_generate(
-                    input_ids=ids, sampling_params=p, return_logprob=top is not None,
-                    top_logprobs_num=top or 0, stream=True,
+                    input_ids=ids,
+                    sampling_params=p,
+                    return_logprob=top is not None,
+                    top_logprobs_num=top or 0,
+                    stream=True,
                 )
             )
     firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
@@ -154,7 +175,13 @@ async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
         await rest.aclose()
 
 
-def _stream(request: Request, endpoint: str, streams: list[AsyncIterator[dict]], body: SamplingFields, chunk: Any) -> Any:
+def _stream(
+    request: Request,
+    endpoint: str,
+    streams: list[AsyncIterator[dict]],
+    body: SamplingFields,
+    chunk: Any,
+) -> Any:
     """SSE over merged choice streams. `chunk(index, out, state)` returns the events for one
     update of choice `index`; `state` is that choice's dict of what was sent so far."""
     metrics = request.app.state.metrics
@@ -198,13 +225,23 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
 
     if not body.stream:
+
         def build(outputs: list[dict]) -> dict:
             choices = []
             for i, out in enumerate(outputs):
                 meta = out["meta_info"]
-                logprobs = completion_logprobs(meta, text_of, 0, 0) if body.logprobs is not None else None
-                choices.append({"index": i, "text": echo[i // body.n] + out["text"], "logprobs": logprobs,
-                                "finish_reason": finish_reason(meta), "matched_stop": matched_stop(meta)})
+                logprobs = (
+                    completion_logprobs(meta, text_of, 0, 0) if body.logprobs is not None else None
+                )
+                choices.append(
+                    {
+                        "index": i,
+                        "text": echo[i // body.n] + out["text"],
+                        "logprobs": logprobs,
+                        "finish_reason": finish_reason(meta),
+                        "matched_stop": matched_stop(meta),
+                    }
+                )
             return {**head, "choices": choices, "usage": usage(outputs, body.n)}
 
         return await _run(request, "v1/completions", body, prompts, max_new, body.logprobs, build)
@@ -213,7 +250,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         if out is None or st is None or i is None:
             return [head]  # type: ignore[list-item]
         meta = out["meta_info"]
-        text = out["text"][st["text"]:]
+        text = out["text"][st["text"] :]
         reason = finish_reason(meta)
         if not text and reason is None:
             return []  # nothing to show yet (e.g. half a character): its logprobs go out next time
@@ -239,7 +276,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         return bad
     engine = request.app.state.engine
     prompts = [await engine.run_in_worker(_chat_prompt, body, engine)]
-    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    limit = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
     max_new = limit if limit is not None else engine.info["context_length"]
     top = (body.top_logprobs or 0) if body.logprobs else None
     text_of = TokenText(engine.tokenizer)
@@ -247,18 +286,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     head = {"id": rid, "created": created, "model": body.model}
 
     if not body.stream:
+
         def build(outputs: list[dict]) -> dict:
             choices = []
             for i, out in enumerate(outputs):
                 meta = out["meta_info"]
-                choices.append({
-                    "index": i,
-                    "message": {"role": "assistant", "content": out["text"]},
-                    "logprobs": chat_logprobs(meta, text_of, 0) if body.logprobs else None,
-                    "finish_reason": finish_reason(meta),
-                    "matched_stop": matched_stop(meta),
-                })
-            return {**head, "object": "chat.completion", "choices": choices, "usage": usage(outputs, body.n)}
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": out["text"]},
+                        "logprobs": chat_logprobs(meta, text_of, 0) if body.logprobs else None,
+                        "finish_reason": finish_reason(meta),
+                        "matched_stop": matched_stop(meta),
+                    }
+                )
+            return {
+                **head,
+                "object": "chat.completion",
+                "choices": choices,
+                "usage": usage(outputs, body.n),
+            }
 
         return await _run(request, "v1/chat/completions", body, prompts, max_new, top, build)
 
@@ -271,9 +318,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         if st["first"]:
             st["first"] = False
             delta = {"role": "assistant", "content": ""}
-            events.append(sse({**chunk_head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}))
+            events.append(
+                sse(
+                    {
+                        **chunk_head,
+                        "choices": [
+                            {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                        ],
+                    }
+                )
+            )
         meta = out["meta_info"]
-        text = out["text"][st["text"]:]
+        text = out["text"][st["text"] :]
         reason = finish_reason(meta)
         if text or reason is not None:
             st["text"] = len(out["text"])
@@ -281,7 +337,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             if body.logprobs:
                 logprobs = chat_logprobs(meta, text_of, st["logprobs"])
                 st["logprobs"] = len(meta.get("output_token_logprobs", []))
-            choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs, "finish_reason": reason}
+            choice = {
+                "index": i,
+                "delta": {"content": text} if text else {},
+                "logprobs": logprobs,
+                "finish_reason": reason,
+            }
             if reason is not None:
                 choice["matched_stop"] = matched_stop(meta)
             events.append(sse({**chunk_head, "choices": [choice]}))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollout.engine.output_builder import TokenText
+
 
 def finish_reason(meta: dict) -> str | None:
     reason = meta.get("finish_reason")
@@ -13,20 +15,6 @@ def finish_reason(meta: dict) -> str | None:
 def matched_stop(meta: dict) -> Any:
     reason = meta.get("finish_reason") or {}
     return reason.get("matched")
-
-
-class TokenText:
-    """Token id -> its text, memoized (logprob lists repeat the same ids a lot)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.cache[token_id] = self.tokenizer.decode([token_id])
-        return text
 
 
 def completion_logprobs(meta: dict, text_of: TokenText, start: int, offset0: int) -> dict:
@@ -42,7 +30,12 @@ def completion_logprobs(meta: dict, text_of: TokenText, start: int, offset0: int
         offset += len(text)
         entries = tops[i] if i < len(tops) and tops[i] else []
         top.append({text_of(t): v for v, t, _ in entries} if entries else None)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(meta: dict, text_of: TokenText, start: int) -> dict:

@@ -27,17 +27,17 @@ def sse(data: Any) -> str:
     return f"data: {text}\n\n"
 
 
-async def sse_event(data: Any, prepare: Callable[[Any], Any] | None = None) -> str | bytes:
-    """sse(prepare(data)). For large data (SGLang's native stream repeats every logprob so far
-    in each event) both run on a worker thread, the JSON made in pieces (see json_render), so
-    that one event doesn't hold the event loop."""
+async def sse_event(data: Any) -> str | bytes:
+    """sse(data). For large data (SGLang's native stream repeats every logprob so far in each
+    event) it runs on a worker thread, the JSON made in pieces (see json_render), so that one
+    event doesn't hold the event loop."""
     if not is_large(data):
-        return sse(data if prepare is None else prepare(data))
-    return await asyncio.to_thread(_large_sse, data, prepare)
+        return sse(data)
+    return await asyncio.to_thread(_large_sse, data)
 
 
-def _large_sse(data: Any, prepare: Callable[[Any], Any] | None) -> bytes:
-    return b"data: " + render_in_pieces(data if prepare is None else prepare(data)) + b"\n\n"
+def _large_sse(data: Any) -> bytes:
+    return b"data: " + render_in_pieces(data) + b"\n\n"
 
 
 async def first_item(items: AsyncIterator[T]) -> tuple[T, AsyncIterator[T]]:
