@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
     parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
     args = parser.parse_args()
     if args.output_len < 2:
         parser.error(f"--output-len must be >= 2, got {args.output_len}")
@@ -118,6 +119,7 @@ def main() -> None:
         # Every run prefills the same prompt from scratch.
         "disable_radix_cache": True,
         "max_total_tokens": 8 * (args.input_len + args.output_len),
+        "tp_size": args.tp_size,
     }
     if not os.path.isdir(model):
         if model.lower() not in REAL_CONFIGS:
@@ -151,6 +153,7 @@ def main() -> None:
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
         "triton_decode_max_batch": args.triton_decode_max_batch,
         "kv_cache_dtype": info["kv_cache_dtype"],
+        "tp_size": info["tp_size"],
         "ttft_ms": round(ours["ttft_s"] * 1e3, 2),
         "decode_step_ms": round(ours["step_s"] * 1e3, 3),
         "decode_tok_per_s": round(1 / ours["step_s"], 1),

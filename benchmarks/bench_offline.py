@@ -219,6 +219,7 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
     add("--skinny-gemm-max-rows", type=int, default=kernels.skinny_gemm_max_rows)
     add("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
+    add("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
     args = parser.parse_args()
     resolve_lengths(parser, args)
     if args.compare == "hf" and not torch.cuda.is_available():
@@ -238,6 +239,7 @@ def main() -> None:
         "kv_cache_dtype": args.kv_cache_dtype,
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
         "triton_decode_max_batch": args.triton_decode_max_batch,
+        "tp_size": args.tp_size,
     }
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens
@@ -288,6 +290,7 @@ def main() -> None:
         "max_total_tokens": info["max_total_tokens"],
         "radix_cache": not args.disable_radix_cache,
         "attention_backend": info["attention_backend"],
+        "tp_size": info["tp_size"],
         "decode_attention": info["decode_attention"],
         "cuda_graph": not args.disable_cuda_graph and info["device"].startswith("cuda"),
         "overlap_schedule": not args.disable_overlap_schedule,

@@ -245,6 +245,46 @@ class RequestOptions:
 
 
 @dataclass(frozen=True)
+class ParallelOptions:
+    tp_size: int = _opt(1, "tensor parallelism: split every layer over this many GPUs (ranks)")
+    base_gpu_id: int = _opt(0, "the GPU of rank 0; rank r runs on GPU base_gpu_id + r")
+    gpu_ids: tuple[int, ...] | None = _opt(
+        None, "the GPU of each rank, in rank order (repeatable); overrides base_gpu_id"
+    )
+    tp_backend: str = _opt(
+        "auto",
+        "how the ranks communicate: auto (nccl on GPUs, gloo on the host), nccl, or gloo (eager "
+        "only; lets several ranks share one GPU, for tests)",
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
+        if not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be an int >= 0, got {self.base_gpu_id!r}")
+        if self.gpu_ids is not None:
+            try:
+                ids = tuple(int(i) for i in self.gpu_ids)
+            except (TypeError, ValueError):
+                raise ValueError(f"gpu_ids must be GPU indices, got {self.gpu_ids!r}") from None
+            shared = self.tp_backend == "gloo"  # NCCL needs one GPU per rank
+            if (
+                len(ids) != self.tp_size
+                or (len(set(ids)) != len(ids) and not shared)
+                or min(ids) < 0
+            ):
+                raise ValueError(
+                    f"gpu_ids must name {self.tp_size} distinct GPUs (one per rank), got {list(ids)}"
+                )
+            object.__setattr__(self, "gpu_ids", ids)
+        if self.tp_backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"tp_backend must be auto, nccl or gloo, got {self.tp_backend!r}")
+
+    def gpu_of(self, rank: int) -> int:
+        return self.gpu_ids[rank] if self.gpu_ids is not None else self.base_gpu_id + rank
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     model: ModelOptions
     kernels: KernelOptions = field(default_factory=KernelOptions)
@@ -252,6 +292,7 @@ class EngineOptions:
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     weight_sync: WeightSyncOptions = field(default_factory=WeightSyncOptions)
     requests: RequestOptions = field(default_factory=RequestOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineOptions:
@@ -272,6 +313,7 @@ _PARTS = {
     "scheduler": SchedulerOptions,
     "weight_sync": WeightSyncOptions,
     "requests": RequestOptions,
+    "parallel": ParallelOptions,
 }
 
 

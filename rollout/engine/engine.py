@@ -53,7 +53,7 @@ class RolloutEngine(ControlAPI):
 
         tok_path = self.options.model.tokenizer_path or model_path
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
-        self._addrs = Addresses.fresh()
+        self._addrs = Addresses.fresh(self.options.parallel.tp_size)
         self._procs = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -65,11 +65,10 @@ class RolloutEngine(ControlAPI):
         try:
             self._tm = self._call(self._make_tm(TokenizerManager))
             pid = os.getpid()
-            self._procs.append(
-                start_process(
-                    run_scheduler_process, (self.options, self._addrs, pid), "rollout-scheduler"
-                )
-            )
+            for rank in range(self.options.parallel.tp_size):  # rank 0 schedules: tp_steps.py
+                name = "rollout-scheduler" if rank == 0 else f"rollout-tp-rank-{rank}"
+                args = (self.options, self._addrs, pid, rank)
+                self._procs.append(start_process(run_scheduler_process, args, name))
             self._procs.append(
                 start_process(
                     run_detokenizer_process, (tok_path, self._addrs, pid), "rollout-detokenizer"

@@ -8,6 +8,7 @@ requests run (that is the scheduler's job).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from rollout.config import EngineOptions
 from rollout.engine.cuda_graph_runner import CudaGraphRunner
@@ -17,11 +18,13 @@ from rollout.engine.logprob_head import LogprobHead
 from rollout.engine.pooling_head import PoolingHead
 from rollout.engine.req import Req, ScheduleBatch
 from rollout.engine.sampling_head import SamplingHead
+from rollout.engine.tp_steps import StepSender
 from rollout.forward import memory_regions
 from rollout.forward.attention import AttentionShape, create_attention_backend
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout.forward.kernel_plan import resolve_kernel_plan
 from rollout.forward.kv_pool import KVPool, ReqToTokenPool, check_kv_dtype_runs, kv_cache_dtype
+from rollout.forward.tensor_parallel import SINGLE, TPGroup
 from rollout.models.layers import use_fused_kernels
 from rollout.models.loader import load_model, resolve_dtype
 
@@ -34,9 +37,17 @@ def default_device() -> str:
 
 class ModelRunner:
     def __init__(
-        self, options: EngineOptions, hf_config, context_length: int, eos_token_ids: list[int]
+        self,
+        options: EngineOptions,
+        hf_config,
+        context_length: int,
+        eos_token_ids: list[int],
+        tp: TPGroup = SINGLE,
     ) -> None:
+        """With `tp` of size > 1 the runner holds rank tp.rank's shard of the model and of each
+        layer's KV heads; every rank must launch the same batches in the same order."""
         mopts = options.model
+        self.tp = tp
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(mopts.device or default_device())
         if self.device.type == "cuda":
@@ -50,14 +61,13 @@ class ModelRunner:
         # CPU copy of the weights, when asked for, is weight_sync.memory's pinned buffer).
         with memory_regions.region("weights", self.device):
             self.model = load_model(
-                mopts.model_path, hf_config, self.dtype, self.device, mopts.load_format
+                mopts.model_path, hf_config, self.dtype, self.device, mopts.load_format, tp=tp
             )
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
 
-        num_heads = hf_config.num_attention_heads
-        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        # This rank's heads: all of them at tp 1.
+        num_kv_heads, head_dim = self.model.num_local_kv_heads, self.model.head_dim
         num_layers = hf_config.num_hidden_layers
         self.num_slots = self._kv_slots(options, num_layers, num_kv_heads, head_dim)
         with memory_regions.region("kv_cache", self.device):
@@ -79,12 +89,14 @@ class ModelRunner:
         self.sampling_head = SamplingHead(eos_token_ids, self.last_token, self.kernel_plan)
         self.logprob_head = LogprobHead(self.device)
         self.pooling_head = PoolingHead(self.model)
+        # Rank 0 of several: sends each batch to the other ranks before launching it.
+        self.step_sender: StepSender | None = None
 
     def _init_attention(self, options: EngineOptions, num_kv_heads: int, head_dim: int) -> None:
         # Which kernels run is the plan's to say; the runner builds what it names.
         self.kernel_plan = plan = resolve_kernel_plan(options, self.device, self.dtype)
         shape = AttentionShape(
-            num_heads=self.hf_config.num_attention_heads,
+            num_heads=self.model.num_local_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             scaling=head_dim**-0.5,
@@ -116,6 +128,10 @@ class ModelRunner:
         budget = free - total * (1.0 - options.cache.mem_fraction)
         per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, self.kv_dtype)
         slots = int(budget // per_token)
+        if self.tp.size > 1:  # every rank holds the same slots: the fewest any rank has room for
+            count = torch.tensor([slots], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp.group)
+            slots = int(count.item())
         if slots < 16:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache (free {free / 2**30:.1f} GiB of "
@@ -130,6 +146,8 @@ class ModelRunner:
         for its next extend_lens[i] tokens, already written to its req->token row. A decode reads
         each request's input token from `last_token`, so the previous step may still be running.
         Requests with sampling penalties must have all their sampled tokens in output_ids."""
+        if self.step_sender is not None:
+            self.step_sender.send(batch)
         decode = batch.mode is ForwardMode.DECODE
         fb, hidden_rows, rows = self._build_decode(batch) if decode else self._build_extend(batch)
         hidden = self._run_model(fb)

@@ -15,24 +15,35 @@ PARENT_POLL_S = 0.5
 
 @dataclass(frozen=True)
 class Addresses:
-    """Where each process listens (each binds its own PULL socket; senders connect)."""
+    """Where each process listens (each binds its own PULL socket; senders connect). With
+    tensor parallelism, rank 0's scheduler sends each other rank its steps on `tp_steps[r - 1]`
+    and hears their replies on `tp_replies`; `tp_init` rendezvouses the ranks' process group."""
 
     scheduler: str
     detokenizer: str
     tokenizer_manager: str
+    tp_steps: tuple[str, ...] = ()
+    tp_replies: str = ""
+    tp_init: str = ""
 
     @classmethod
-    def fresh(cls) -> Addresses:
+    def fresh(cls, tp_size: int = 1) -> Addresses:
         base = tempfile.mkdtemp(prefix="rollout-ipc-")
-        return cls(*(f"ipc://{os.path.join(base, name)}" for name in ("sched", "detok", "tm")))
+
+        def ipc(name: str) -> str:
+            return f"ipc://{os.path.join(base, name)}"
+
+        if tp_size == 1:
+            return cls(ipc("sched"), ipc("detok"), ipc("tm"))
+        steps = tuple(ipc(f"tp-steps-{r}") for r in range(1, tp_size))
+        init = f"file://{os.path.join(base, 'tp-init')}"
+        return cls(ipc("sched"), ipc("detok"), ipc("tm"), steps, ipc("tp-replies"), init)
 
     def cleanup(self) -> None:
-        for addr in (self.scheduler, self.detokenizer, self.tokenizer_manager):
-            path = addr.removeprefix("ipc://")
-            if os.path.exists(path):
-                os.unlink(path)
         base = os.path.dirname(self.scheduler.removeprefix("ipc://"))
-        if os.path.isdir(base) and not os.listdir(base):
+        if os.path.isdir(base):
+            for name in os.listdir(base):  # the sockets, and the rendezvous file
+                os.unlink(os.path.join(base, name))
             os.rmdir(base)
 
 

@@ -27,11 +27,18 @@ from rollout.engine.messages import (
     TokenizedRequest,
     is_control,
 )
+from rollout.engine.model_runner import ModelRunner
 from rollout.engine.processes import Addresses, watch_parent
-from rollout.errors import ControlError
+from rollout.engine.tp_follower import Follower, rank_memory
+from rollout.engine.tp_setup import OtherRanks, join_group
+from rollout.errors import ControlError, InvalidRequest
+from rollout.forward.tensor_parallel import SINGLE, TPGroup
 from rollout.weight_sync.deferred import Deferred
 
 logger = logging.getLogger(__name__)
+
+# The weight-sync calls that touch rank 0's state alone.
+_RANK0_CALLS = {"get_weight_version", "update_weight_version", "pause_generation", "continue_generation"}
 
 IDLE_POLL_MS = 1000
 DEFERRED_POLL_MS = 10  # while a deferred control call waits: how soon its reply goes out
@@ -55,26 +62,33 @@ def load_eos_token_ids(model_path: str, hf_config: Any, tokenizer: Any) -> list[
     return sorted(ids)
 
 
-class SchedulerProcess:
-    def __init__(self, options: EngineOptions) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+def build_runner(options: EngineOptions, tp: TPGroup) -> tuple[ModelRunner, Any, list[int]]:
+    """This rank's model runner, the tokenizer and the EOS ids."""
+    from transformers import AutoConfig, AutoTokenizer
 
-        from rollout.engine.model_runner import ModelRunner
+    mopts = options.model
+    hf_config = AutoConfig.from_pretrained(mopts.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(mopts.tokenizer_path or mopts.model_path)
+    eos = load_eos_token_ids(mopts.model_path, hf_config, tokenizer)
+    context = mopts.context_length or getattr(hf_config, "max_position_embeddings", 4096)
+    return ModelRunner(options, hf_config, context, eos, tp), tokenizer, eos
+
+
+class SchedulerProcess:
+    def __init__(self, options: EngineOptions, tp: TPGroup = SINGLE) -> None:
         from rollout.engine.scheduler import Scheduler
         from rollout.engine.stop_checker import StopChecker
         from rollout.engine.weight_sync_port import SchedulerPort
         from rollout.weight_sync.controller import WeightSyncController
 
         mopts = options.model
-        hf_config = AutoConfig.from_pretrained(mopts.model_path)
-        tokenizer = AutoTokenizer.from_pretrained(mopts.tokenizer_path or mopts.model_path)
-        eos = load_eos_token_ids(mopts.model_path, hf_config, tokenizer)
-        context = mopts.context_length or getattr(hf_config, "max_position_embeddings", 4096)
-        self.runner = ModelRunner(options, hf_config, context, eos)
+        self.runner, tokenizer, eos = build_runner(options, tp)
+        hf_config = self.runner.hf_config
         self.scheduler = Scheduler(options, self.runner, StopChecker(tokenizer, eos))
         port = SchedulerPort(self.scheduler, self.runner)
         self.weight_sync = WeightSyncController(port, options.weight_sync)
         self.deferred: list[tuple[int, Deferred]] = []  # (call_id, its pending reply)
+        self.ranks: OtherRanks | None = None  # set by the caller when tp > 1
         self.info = {
             "model_path": mopts.model_path,
             "architecture": (hf_config.architectures or ["?"])[0],
@@ -88,6 +102,7 @@ class SchedulerProcess:
             "attention_backend": self.runner.kernel_plan.attention_backend,
             "decode_attention": str(self.runner.kernel_plan.decode_attention),
             "kernel_plan": self.runner.kernel_plan.as_dict(),
+            "tp_size": tp.size,
         }
         # At WARNING, the level this process logs at: the one start-up line worth seeing.
         logger.warning("kernel plan: %s", self.runner.kernel_plan)
@@ -120,7 +135,13 @@ class SchedulerProcess:
         if isinstance(call, FlushCache):
             return self.scheduler.flush_cache()
         if isinstance(call, GetServerInfo):
-            return {**self.info, **self.scheduler.server_info(), **self.weight_sync.info()}
+            ranks = [rank_memory(self.runner)]
+            if self.ranks is not None:
+                ranks += [reply.result for reply in self.ranks.call("rank_memory")]
+            info = {**self.info, **self.scheduler.server_info(), **self.weight_sync.info()}
+            return {**info, "ranks": ranks}
+        if self.ranks is not None and call.method not in _RANK0_CALLS:
+            raise InvalidRequest(f"{call.method} is not available with tp_size > 1 yet")
         return self.weight_sync.run(call)
 
     @staticmethod
@@ -204,21 +225,59 @@ class SchedulerProcess:
             send.send_pyobj(ReqOutputBatch([self.scheduler.make_output(r) for r in unique]))
 
 
-def run_scheduler_process(options: EngineOptions, addrs: Addresses, parent_pid: int) -> None:
+def run_scheduler_process(
+    options: EngineOptions, addrs: Addresses, parent_pid: int, rank: int = 0
+) -> None:
+    """Tensor-parallel rank `rank`'s process: rank 0 schedules, the others follow it."""
     watch_parent(parent_pid)
-    logging.basicConfig(level=logging.WARNING, format="[scheduler] %(levelname)s %(message)s")
+    name = "scheduler" if rank == 0 else f"tp rank {rank}"
+    logging.basicConfig(level=logging.WARNING, format=f"[{name}] %(levelname)s %(message)s")
     ctx = zmq.Context()
+    if rank > 0:
+        _follow(ctx, options, addrs, rank)
+        ctx.term()
+        return
     recv = ctx.socket(zmq.PULL)
     recv.bind(addrs.scheduler)
     send = ctx.socket(zmq.PUSH)
     send.connect(addrs.detokenizer)
+    proc = None
     try:
-        proc = SchedulerProcess(options)
+        options, tp = join_group(options, addrs, 0)
+        proc = SchedulerProcess(options, tp)
+        if tp.size > 1:
+            proc.ranks = OtherRanks(ctx, addrs, proc.runner)
         send.send_pyobj(SchedulerReady(proc.info))
         proc.loop(recv, send)
     except BaseException:  # noqa: BLE001 - every failure must reach the caller
         send.send_pyobj(SchedulerFailed(traceback.format_exc()))
     finally:
+        if proc is not None and proc.ranks is not None:
+            proc.ranks.stop()
+            proc.ranks.close()
         send.close(linger=2000)
         recv.close(linger=0)
         ctx.term()
+
+
+def _follow(ctx: zmq.Context, options: EngineOptions, addrs: Addresses, rank: int) -> None:
+    """A rank other than 0: runs rank 0's steps until it stops. A failure is reported through
+    the detokenizer (which passes it to the caller, who shuts the engine down)."""
+    report = ctx.socket(zmq.PUSH)
+    report.connect(addrs.detokenizer)
+    recv = ctx.socket(zmq.PULL)
+    recv.connect(addrs.tp_steps[rank - 1])
+    replies = ctx.socket(zmq.PUSH)
+    replies.connect(addrs.tp_replies)
+    try:
+        options, tp = join_group(options, addrs, rank)
+        runner, _, _ = build_runner(options, tp)
+        handlers = {"rank_memory": lambda: rank_memory(runner)}
+        Follower(runner, handlers).run(recv, replies)
+    except BaseException:  # noqa: BLE001 - every failure must reach the caller
+        report.send_pyobj(
+            SchedulerFailed(f"tensor-parallel rank {rank} failed:\n{traceback.format_exc()}")
+        )
+    finally:
+        for sock in (report, recv, replies):
+            sock.close(linger=1000)

@@ -90,9 +90,12 @@ def resolve_kernel_plan(
     # The GPU backends come with the Triton kernels for norms, rotary, SiLU-and-mul and
     # sampling; attention_backend="torch" stays all torch: it is the reference path.
     fused = extend != "torch"
+    # A CUDA graph captures NCCL collectives, not gloo's (which pass through the host).
+    gloo_ranks = options.parallel.tp_size > 1 and options.parallel.tp_backend == "gloo"
     graphs = (
         device.type == "cuda"
         and not kopts.disable_cuda_graph
+        and not gloo_ranks
         and attention.supports_cuda_graph(extend, decode)
     )
     max_bs = min(kopts.cuda_graph_max_bs, options.scheduler.max_running_requests)

@@ -66,8 +66,12 @@ class KVPool:
     def allocate(self) -> None:
         """(Re)creates the K/V buffers, zeroed."""
         shape = (self.num_slots + 1, self.num_kv_heads, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+        self.v = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
 
     def free(self) -> None:
         """Drops the K/V buffers so their memory goes back; nothing may run until `allocate`."""
@@ -78,8 +82,12 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return (
+            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Writes the new tokens' K/V. loc: [T]; k, v: [T, kv_heads, head_dim]."""
@@ -120,11 +128,20 @@ class SlotAllocator:
         self._num_free += n
 
 
+# One write to the req->token table, as `ReqToTokenPool.replay` takes it:
+# ("row", row, start, slots) or ("many", rows, cols, slots), host tensors.
+TableWrite = tuple
+
+
 class ReqToTokenPool:
     """Row r of `table` holds the KV slots of request r's tokens, in sequence order.
 
     The scheduler reads rows from `host`, a host copy kept in step with every write: freeing and
-    caching a request's KV never waits for the device (which may still be computing a step)."""
+    caching a request's KV never waits for the device (which may still be computing a step).
+    With `journal` set (a list), every write is also recorded there, for other tensor-parallel
+    ranks to `replay` (see rollout/engine/tp_steps.py)."""
+
+    journal: list[TableWrite] | None = None
 
     def __init__(self, max_reqs: int, max_context: int, device: torch.device | str) -> None:
         self.max_reqs = max_reqs
@@ -148,6 +165,8 @@ class ReqToTokenPool:
     # Pinning the source first would cost more than the copy (pin_memory checks is_pinned).
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """table[row, start : start + len(slots)] = slots (a host tensor), copied without a sync."""
+        if self.journal is not None:
+            self.journal.append(("row", row, start, slots.clone()))
         self.host[row, start : start + slots.numel()] = slots
         if self.host is not self.table:
             self.table[row, start : start + slots.numel()].copy_(slots, non_blocking=True)
@@ -155,11 +174,26 @@ class ReqToTokenPool:
     def write_many(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
         """table[rows[i], cols[i]] = slots[i]; the three are host tensors, copied without a sync
         (in one host-to-device copy)."""
+        if self.journal is not None:
+            self.journal.append(("many", rows.clone(), cols.clone(), slots.clone()))
         self.host[rows, cols] = slots
         if self.host is not self.table:
             packed = torch.stack([rows, cols, slots.to(torch.int64)])  # [3, N]
             packed = packed.to(self.table.device, non_blocking=True)
             self.table[packed[0], packed[1]] = packed[2]
+
+    def take_journal(self) -> list[TableWrite]:
+        """The writes recorded since the last call (see `journal`)."""
+        writes, self.journal = self.journal or [], [] if self.journal is not None else None
+        return writes
+
+    def replay(self, writes: list[TableWrite]) -> None:
+        """Makes the writes another rank recorded."""
+        for kind, a, b, slots in writes:
+            if kind == "row":
+                self.write(a, b, slots)
+            else:
+                self.write_many(a, b, slots)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of row `row`, positions start .. end: a view of the host copy."""

@@ -9,17 +9,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout.forward.tensor_parallel import SINGLE, TPGroup
 from rollout.models.llama import LlamaForCausalLM
+from rollout.models.weight_map import map_hf_names
 
 
 class LlamaForSequenceClassification(LlamaForCausalLM):
     has_lm_head = False
 
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any, tp: TPGroup = SINGLE) -> None:
+        super().__init__(config, tp)
         self.num_labels = int(config.num_labels)
+        # Whole on every rank: the hidden states it reads are the same on all of them.
         self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
-        self._hf_targets = self._map_hf_names()  # now with score.weight
+        self._hf_targets = map_hf_names(self)  # now with score.weight
 
     def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (final-norm states of each sequence's last token) ->

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout.forward.kernel_plan import SKINNY_MIN_WEIGHT
+from rollout.forward.tensor_parallel import SINGLE, TPGroup, make_shard
 
 # Rope types whose frequencies are fixed at init. "dynamic" is exact up to the original
 # context length; beyond it HF rescales by the batch's longest sequence, which depends on
@@ -163,15 +164,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class MergedLinear(Linear):
-    """One Linear standing for several checkpoint projections stacked along the output dim.
+    """One Linear standing for several checkpoint projections stacked along the output dim,
+    column-parallel under tensor parallelism.
 
-    `parts` maps each checkpoint projection (e.g. "q_proj") to its number of output rows, in
-    order; weight loading copies each checkpoint tensor into its rows of the fused weight.
+    `parts` maps each checkpoint projection (e.g. "q_proj") to its number of output rows in
+    the checkpoint, in order; `shards` (tensor parallel; default all rows) to the rows
+    [start, stop) of it that this rank holds. Weight loading copies each checkpoint tensor's
+    rows (or this rank's slice of them) into its rows of the fused weight.
     """
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=bias)
-        self.parts = dict(parts)
+    def __init__(
+        self,
+        in_features: int,
+        parts: dict[str, int],
+        bias: bool,
+        shards: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        shards = {name: (0, rows) for name, rows in parts.items()} | dict(shards or {})
+        local = {name: stop - start for name, (start, stop) in shards.items()}
+        super().__init__(in_features, sum(local.values()), bias=bias)
+        self.parts = local  # rows of each projection in this rank's fused weight
+        self.part_shards = {
+            name: make_shard(0, *shards[name], rows) for name, rows in parts.items()
+        }
 
     def part_rows(self) -> dict[str, tuple[int, int]]:
         """Checkpoint projection -> (first row, number of rows) in the fused weight."""
@@ -182,14 +197,40 @@ class MergedLinear(Linear):
         return rows
 
 
-class SiluAndMulMLP(FusedOps, nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
-        super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = MergedLinear(
-            hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias
+class RowParallelLinear(Linear):
+    """A Linear whose input features are split over the tensor-parallel group: each rank
+    multiplies its slice and the partial outputs are summed (all-reduce). The bias is whole on
+    every rank and added once, by rank 0 before the sum. At size 1 it is a plain Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        start, stop = tp.even_range(
+            in_features,
+            f"the input features of a {in_features}x{out_features} row-parallel projection",
         )
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        super().__init__(stop - start, out_features, bias=bias)
+        self.tp = tp
+        self.hf_shards = {"weight": make_shard(1, start, stop, in_features)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in / size] -> [T, out], the same on every rank
+        if self.tp.size == 1:
+            return linear(x, self.weight, self.bias, self.skinny_rows)
+        bias = self.bias if self.tp.rank == 0 else None
+        return self.tp.all_reduce(linear(x, self.weight, bias, self.skinny_rows))
+
+
+class SiluAndMulMLP(FusedOps, nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        start, stop = tp.even_range(intermediate, "intermediate_size")
+        self.intermediate = stop - start  # this rank's share
+        self.gate_up_proj = MergedLinear(
+            hidden,
+            {"gate_proj": intermediate, "up_proj": intermediate},
+            bias,
+            {"gate_proj": (start, stop), "up_proj": (start, stop)},
+        )
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]

@@ -7,13 +7,15 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from rollout.forward.tensor_parallel import SINGLE, Shard, TPGroup
 from rollout.models import get_model_class
 
 INDEX = "model.safetensors.index.json"
@@ -115,25 +117,50 @@ def shard_label(path: str, model_path: str) -> str:
 
 
 def iter_safetensors(
-    model_path: str, roots: Sequence[str] | None = None
+    model_path: str,
+    roots: Sequence[str] | None = None,
+    shard_of: Callable[[str], Shard | None] | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every (HF name, CPU tensor) of the checkpoint, one tensor at a time (memory stays flat).
-    With `roots`, every file read must resolve under one of them (see open_checked)."""
+    With `roots`, every file read must resolve under one of them (see open_checked). With
+    `shard_of` (a model's `hf_shard`), a tensor it gives a Shard for is read as that slice
+    only, the rest never leaving the file; ValueError when the tensor on disk is not as long
+    along the shard's dim as the model's full tensor. Names `skip` is true for are not read."""
     for path in safetensors_files(model_path, roots):
         with open_checked(path, shard_label(path, model_path), roots) as readable:
             with safe_open(readable, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if skip is not None and skip(name):
+                        continue
+                    shard = None if shard_of is None else shard_of(name)
+                    if shard is None:
+                        yield name, f.get_tensor(name)
+                        continue
+                    lazy = f.get_slice(name)
+                    shape = list(lazy.get_shape())
+                    if len(shape) <= shard.dim or shape[shard.dim] != shard.full:
+                        raise ValueError(
+                            f"shape mismatch for {name!r}: expected {shard.full} along dim "
+                            f"{shard.dim}, got {shape}"
+                        )
+                    yield name, lazy[shard.index()]
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """The model of `hf_config`, allocated directly on `device` in `dtype` (weights undefined)."""
+def build_model(
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPGroup = SINGLE,
+) -> nn.Module:
+    """Tensor-parallel rank `tp.rank`'s part of the model of `hf_config` (all of it at tp=1),
+    allocated directly on `device` in `dtype` (weights undefined)."""
     cls = get_model_class(hf_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return cls(hf_config)
+            return cls(hf_config, tp=tp)
     finally:
         torch.set_default_dtype(previous)
 
@@ -144,15 +171,21 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     load_format: str = "auto",
+    tp: TPGroup = SINGLE,
 ) -> nn.Module:
-    """Builds the model on `device` in `dtype` and loads the checkpoint at `model_path`
-    (load_format "auto"), or fills it with seeded random weights ("dummy"). Returns it in
-    eval mode. Raises ValueError when the checkpoint lacks any parameter."""
-    model = build_model(hf_config, dtype, device)
+    """Builds tensor-parallel rank `tp.rank`'s part of the model on `device` in `dtype` and
+    loads its slice of the checkpoint at `model_path` (load_format "auto"; only that slice is
+    read), or fills it with seeded random weights ("dummy": each rank's slice of the same
+    random model, whatever the tp size). Returns it in eval mode. Raises ValueError when the
+    checkpoint lacks any parameter."""
+    model = build_model(hf_config, dtype, device, tp)
     if load_format == "dummy":
         _randomize(model)
     elif load_format == "auto":
-        loaded = model.load_weights(iter_safetensors(model_path))
+        tensors = iter_safetensors(
+            model_path, shard_of=model.hf_shard, skip=model.is_ignored_weight
+        )
+        loaded = model.load_weights(tensors, presharded=True)
         missing = sorted(set(model.hf_param_shapes()) - loaded)
         if missing:
             raise ValueError(
@@ -165,10 +198,15 @@ def load_model(
 
 @torch.no_grad()
 def _randomize(model: nn.Module) -> None:
-    # Small normal weights and unit norms keep activations in range through many layers.
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
-    for name, param in model.named_parameters():
+    """Every checkpoint tensor drawn whole from a seed of its own name, then sliced: any tp
+    size holds parts of the same model. Small normal weights and unit norms keep activations in
+    range through many layers."""
+    device = next(model.parameters()).device
+    for name, (shape, dtype) in model.hf_param_shapes().items():
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            full = torch.ones(shape, dtype=dtype, device=device)
         else:
-            param.normal_(0.0, 0.02, generator=gen)
+            gen = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+            full = torch.empty(shape, dtype=dtype, device=device)
+            full.normal_(0.0, 0.02, generator=gen)
+        model.load_weights([(name, full)])

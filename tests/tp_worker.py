@@ -1,0 +1,152 @@
+"""One tensor-parallel rank of tests/test_tensor_parallel_model.py, run in a spawned process.
+
+Each rank builds the same cases twice, as the whole model (tp=1, no communication) and as its
+shard of a gloo group, runs a prefill then decode steps through the torch attention backend
+and a KV pool sized by the model's per-rank heads, and writes how far the gathered logits are
+from the whole model's to rank<r>.json. Only this module (not the test module) is imported in
+the children, so a rank starts without pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollout.forward.attention import create_attention_backend
+from rollout.forward.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.kv_pool import KVPool, ReqToTokenPool
+from rollout.forward.tensor_parallel import SINGLE, TPGroup
+from rollout.models.loader import load_model
+
+MAX_LEN = 128  # KV slots per request
+PROMPT_LENS = (5, 37, 20)
+DECODE_STEPS = 3
+
+
+class Cache:
+    """KV pool sized by the model's per-rank KV heads; request i owns slots 1 + MAX_LEN * i..."""
+
+    def __init__(self, model: torch.nn.Module, num_reqs: int, device: str = "cpu") -> None:
+        config, self.device = model.config, device
+        self.kv = KVPool(
+            config.num_hidden_layers,
+            num_reqs * MAX_LEN,
+            model.num_local_kv_heads,
+            model.head_dim,
+            torch.float32,
+            device,
+        )
+        self.table = ReqToTokenPool(num_reqs, MAX_LEN, device)
+        for i in range(num_reqs):
+            slots = torch.arange(1 + i * MAX_LEN, 1 + (i + 1) * MAX_LEN, device=device)
+            self.table.write(i, 0, slots)
+
+
+def step(
+    model, cache: Cache, seqs: list[list[int]], cached: list[int], mode, backend=None
+) -> torch.Tensor:
+    """Logits of seqs[i][cached[i]:] on top of KV holding seqs[i][:cached[i]]."""
+    ids, pos, loc = [], [], []
+    for i, (seq, c) in enumerate(zip(seqs, cached)):
+        ids += seq[c:]
+        pos += range(c, len(seq))
+        loc += cache.table.read(i, c, len(seq)).tolist()
+    seq_lens = [len(s) for s in seqs]
+    extend_lens = [len(s) - c for s, c in zip(seqs, cached)]
+    dev = cache.device
+    fb = ForwardBatch(
+        mode=mode,
+        input_ids=torch.tensor(ids, device=dev),
+        positions=torch.tensor(pos, device=dev),
+        out_cache_loc=torch.tensor(loc, device=dev),
+        req_pool_indices=torch.arange(len(seqs), device=dev),
+        seq_lens=torch.tensor(seq_lens, device=dev),
+        extend_lens=torch.tensor(extend_lens, device=dev),
+        req_to_token=cache.table.table,
+        kv_pool=cache.kv,
+        attn_backend=backend or create_attention_backend("torch"),
+        seq_lens_cpu=seq_lens,
+        extend_lens_cpu=extend_lens,
+    )
+    fb.attn_backend.prepare(fb)
+    with torch.no_grad():
+        return model.compute_logits(model(fb.input_ids, fb.positions, fb))
+
+
+def prefill_and_decode(model, vocab: int, device: str = "cpu", backend=None) -> torch.Tensor:
+    """Logits of a ragged prefill then DECODE_STEPS decode steps, stacked: [rows, vocab]."""
+    gen = torch.Generator().manual_seed(0)
+    lens = [n + DECODE_STEPS for n in PROMPT_LENS]
+    full = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+    cache = Cache(model, len(full), device)
+    prompts = [s[:n] for s, n in zip(full, PROMPT_LENS)]
+    out = [step(model, cache, prompts, [0] * len(full), ForwardMode.EXTEND, backend)]
+    for i in range(1, DECODE_STEPS + 1):
+        seqs = [s[: n + i] for s, n in zip(full, PROMPT_LENS)]
+        cached = [len(s) - 1 for s in seqs]
+        out.append(step(model, cache, seqs, cached, ForwardMode.DECODE, backend))
+    return torch.cat(out)
+
+
+def perturb(ref, model, scale: float) -> None:
+    """Moves every weight of both models by the same seeded noise: the whole model takes full
+    tensors; the shard takes every other name full and the rest pre-sliced to its shard."""
+    for i, name in enumerate(sorted(ref.hf_param_shapes())):
+        gen = torch.Generator().manual_seed(1000 + i)
+        old = ref.hf_weight(name)
+        full = old + scale * torch.randn(old.shape, generator=gen).to(old.device, old.dtype)
+        ref.load_weights([(name, full)])
+        shard = model.hf_shard(name)
+        if i % 2 or shard is None:
+            model.load_weights([(name, full)])
+        else:
+            model.load_weights([(name, shard.take(full).clone())], presharded=True)
+
+
+def run_case(case: dict[str, Any], tp: TPGroup) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(case["path"])
+    for key, value in case.get("overrides", {}).items():
+        setattr(config, key, value)
+    fmt = case.get("load_format", "auto")
+    ref = load_model(case["path"], config, torch.float32, "cpu", fmt, tp=SINGLE)
+    model = load_model(case["path"], config, torch.float32, "cpu", fmt, tp=tp)
+    if case.get("perturb"):
+        perturb(ref, model, case["perturb"])
+    want = prefill_and_decode(ref, config.vocab_size)
+    got = prefill_and_decode(model, config.vocab_size)
+    return {
+        "shape": list(got.shape),
+        "want_shape": list(want.shape),
+        "err": (got - want).abs().max().item(),
+        "scale": want.abs().max().item(),
+        "local_heads": model.num_local_heads,
+        "local_kv_heads": model.num_local_kv_heads,
+    }
+
+
+def run_rank(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:
+    """Entry point of one spawned rank (torch.multiprocessing passes `rank` first)."""
+    torch.set_num_threads(1)  # the ranks share a few cores
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        tp = TPGroup.from_group()
+        results = {name: run_case(case, tp) for name, case in cases.items()}
+        # No rank tears its connections down while another may still be reading from them.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
