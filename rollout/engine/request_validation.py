@@ -112,13 +112,25 @@ def _prompts(limits: RequestLimits, request: GenerateRequest) -> tuple[list, boo
     prompt, input_ids = request.prompt, request.input_ids
     if (prompt is None) == (input_ids is None):
         raise InvalidRequest("give exactly one of prompt or input_ids")
+    for given in (prompt, input_ids):
+        # Before any per-prompt check: a list of millions is refused at once.
+        if (
+            isinstance(given, list)
+            and len(given) > MAX_SAMPLES_PER_CALL
+            and not _is_id_list(given[:1])
+        ):
+            raise InvalidRequest(
+                f"one call may ask for at most {MAX_SAMPLES_PER_CALL} samples (prompts x n), "
+                f"got {len(given)} prompts"
+            )
     if prompt is not None:
         batched = isinstance(prompt, list)
         texts = prompt if batched else [prompt]
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise InvalidRequestType(
-                    f"prompt must be a str or a list of str, got {type(t).__name__}"
+                    f"prompt must be a str or a list of str (text in /generate's JSON), got "
+                    f"{type(t).__name__}"
                 )
             if not t:
                 raise InvalidRequest("prompt is empty")

@@ -10,10 +10,10 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SkipValidation
 
 from rollout.server.json_body import OffLoopRoute
-from rollout.server.native import TokenIds
+from rollout.server.native import Prompts, TokenIds
 from rollout.server.responses import JSON, error, json_response
 from rollout.server.streaming import until_disconnect
 
@@ -22,8 +22,10 @@ if TYPE_CHECKING:
 
 router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
 
-Prompt = str | list[str] | None
-Ids = TokenIds  # checked by the engine, off the event loop (see native.py)
+Prompt = Prompts  # checked by the engine, off the event loop (see native.py)
+Ids = TokenIds
+# A prompt as text or ids, or a list of them: checked by the engine (see native.py).
+AnyPrompts = SkipValidation[str | list[str] | list[int] | list[list[int]]]
 
 
 class EncodeRequest(BaseModel):
@@ -47,7 +49,7 @@ class ClassifyRequest(BaseModel):
 class EmbeddingsRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send user, dimensions, ...
 
-    input: str | list[str] | list[int] | list[list[int]]
+    input: AnyPrompts
     model: str
     encoding_format: str = "float"
 
@@ -55,8 +57,8 @@ class EmbeddingsRequest(BaseModel):
 class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    query: str | list[int]
-    items: str | list[str] | list[int] | list[list[int]]
+    query: SkipValidation[str | list[int]]
+    items: AnyPrompts
     label_token_ids: list[int]
     apply_softmax: bool = False
     item_first: bool = False

@@ -2,32 +2,41 @@
 
 FastAPI joins a body's chunks, parses them with json.loads and validates the result against the
 route's model, all on the event loop: a body of tens of MB held /health and every stream for
-most of a second (RESULTS.md). Routes of class OffLoopRoute (the routers' route_class) do these three on a
-worker thread for a body over LARGE_BODY_BYTES, and hand FastAPI the validated model, which it
-takes as it is (pydantic does not validate a model instance again).
+most of a second (RESULTS.md). Routes of class OffLoopRoute (the routers' route_class) do these
+three on a worker thread for a body over LARGE_BODY_BYTES, and hand FastAPI the validated model,
+which it takes as it is (pydantic does not validate a model instance again).
 
 NOTE: a thread alone does not free the loop. json.loads and pydantic are C code that holds the
 GIL for the whole call, and the loop needs the GIL to answer anything. Joining releases it
-(CPython drops the GIL for joins over 1 MB); the hooks below make the parser come back to
-Python at each number and object, where the GIL passes to the loop if it waits. What still
-holds it in one piece: decoding the bytes and scanning one long string, an array of millions
-of strings or literals, and pydantic's validation of one long list (RESULTS.md has the costs).
+(CPython drops the GIL for joins over 1 MB); json_parse gives the C scanner bounded pieces; and
+json_release frees the parsed body a piece at a time, when validation fails and when the
+request is done, on a worker thread (freeing ten million items is one C call too). What still
+holds it in one piece: pydantic's validation of one long list (RESULTS.md has the costs), and
+what the route's own code does with the body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import threading
 import typing
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from rollout.server.json_parse import TooManyContainers, decode_body, parse
+from rollout.server.json_release import release
 
 LARGE_BODY_BYTES = 2**20  # smaller bodies take FastAPI's path: a thread hop costs more
+_PARSED = "rollout.parsed_body"  # scope key: the validated models of large bodies, to release
 
 
 def describe_validation_errors(errors: list[dict[str, Any]]) -> str:
@@ -43,7 +52,8 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> str:
 
 class OffLoopRoute(APIRoute):
     """An APIRoute whose endpoint takes one pydantic model as its body reads large bodies on a
-    worker thread (see the module's doc). Other routes behave as plain APIRoutes."""
+    worker thread (see the module's doc), and releases what is left of them once the answer is
+    sent. Other routes behave as plain APIRoutes."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -55,6 +65,16 @@ class OffLoopRoute(APIRoute):
             return await handler(OffLoopBodyRequest(request.scope, request.receive, model))
 
         return read_off_loop
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().handle(scope, receive, send)
+        finally:
+            # The answer is sent and the route's frames are gone: what is left of a large body
+            # is held here alone, unless the engine still holds a part of it.
+            parsed = scope.pop(_PARSED, None)
+            if parsed:
+                await asyncio.to_thread(release, parsed)
 
 
 def _body_model(route: APIRoute) -> type[BaseModel] | None:
@@ -74,7 +94,8 @@ def _body_model(route: APIRoute) -> type[BaseModel] | None:
 
 class OffLoopBodyRequest(Request):
     """A Request whose body(), over LARGE_BODY_BYTES, is joined on a worker thread, and whose
-    json() is parsed and validated there, giving the validated model."""
+    json() is parsed and validated there, giving the validated model (which goes in the scope
+    too, for OffLoopRoute.handle to release)."""
 
     def __init__(self, scope: dict, receive: Any, model: type[BaseModel]) -> None:
         super().__init__(scope, receive)
@@ -92,6 +113,7 @@ class OffLoopBodyRequest(Request):
             body = await self.body()
             if len(body) > LARGE_BODY_BYTES:
                 self._json = await asyncio.to_thread(parse_and_validate, body, self._model)
+                self.scope.setdefault(_PARSED, []).append(self._json)
             else:
                 self._json = json.loads(body)
         return self._json
@@ -100,28 +122,61 @@ class OffLoopBodyRequest(Request):
 def parse_and_validate(body: bytes, model: type[BaseModel]) -> BaseModel:
     """body as `model`. Invalid JSON raises json.JSONDecodeError (FastAPI answers it as it
     does for small bodies); a body that doesn't fit the model an HTTPException 400 with the
-    message a small body would get."""
-    # As json.loads(bytes) does, in two steps: each holds the GIL for half as long.
-    text = body.decode(json.detect_encoding(body), "surrogatepass")
-    value = json.loads(
-        text, parse_int=_int, parse_float=_float, object_pairs_hook=_object
-    )  # fmt: skip
-    try:
-        return model.model_validate(value)
-    except ValidationError as e:
-        errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
-        raise HTTPException(400, describe_validation_errors(errors)) from None
+    message a small body would get. The parsed value is released (json_release) before this
+    returns: what the model keeps of it is the model's."""
+    with collections_paused():
+        try:
+            parsed = [parse(decode_body(body))]
+        except TooManyContainers as e:
+            raise HTTPException(400, str(e)) from None
+        try:
+            return model.model_validate(parsed[0])
+        except ValidationError as e:
+            # Without their inputs: an error's input may be a long list, to release here.
+            errors = [
+                {**_without_input(err), "loc": ("body", *err["loc"])}
+                for err in e.errors(include_url=False)[:5]
+            ]
+        finally:
+            release(parsed)
+    raise HTTPException(400, describe_validation_errors(errors))
 
 
-# The parser's results, as it makes them itself; being Python functions, each call is a point
-# where the GIL can pass to the event loop (see the module's doc).
-def _int(digits: str) -> int:
-    return int(digits)
+def _without_input(error: Any) -> dict[str, Any]:
+    return {k: v for k, v in error.items() if k != "input"}
 
 
-def _float(digits: str) -> float:
-    return float(digits)
+class _CollectionPause:
+    """No automatic garbage collection while large bodies are parsed and validated.
+
+    Each container a parse makes counts toward the next collection, and a full one walks every
+    live container of the process, holding the GIL throughout; a body of many arrays would set
+    off several. When the last parse ends, what it made joins the oldest generation without a
+    walk (gc.freeze then gc.unfreeze), unless something was frozen on purpose."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holders = 0
+        self.resume = False
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self.lock:
+            if self.holders == 0:
+                self.resume = gc.isenabled()
+                gc.disable()
+            self.holders += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.holders -= 1
+                if self.holders == 0:
+                    if gc.get_freeze_count() == 0:
+                        gc.freeze()
+                        gc.unfreeze()
+                    if self.resume:
+                        gc.enable()
 
 
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    return dict(pairs)
+collections_paused = _CollectionPause()

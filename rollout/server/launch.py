@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 from typing import Any
 
@@ -96,6 +97,10 @@ def _serve(options: ServerOptions, engine_options: dict[str, Any], signals: Shut
         url = f"http://{options.host}:{options.port}"
         model = engine.options.model.model_path
         print(f"rollout: serving {model} on {url}", file=sys.stderr, flush=True)
+        # What start-up made (torch, transformers, the app) lives as long as the server: out of
+        # every later collection, whose full walks would otherwise hold the event loop.
+        gc.collect()
+        gc.freeze()
         server.run()
     finally:
         engine.shutdown()

@@ -28,9 +28,13 @@ from rollout.server.streaming import (
 
 router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
 
-# Token ids are checked by the engine, on its worker threads. pydantic would check them in one
-# C call holding the GIL throughout, so the event loop would wait on it for a long list.
+# Token ids and prompt lists are checked by the engine, on its worker threads. pydantic would
+# check them in one C call holding the GIL throughout (and make one error per bad item), so the
+# event loop would wait on it for a long list.
 TokenIds = SkipValidation[list[int] | list[list[int]] | None]
+Prompts = SkipValidation[str | list[str] | None]
+# The fields of GenerateRequest that are lists of any length.
+_UNCHECKED = {"input_ids": TokenIds, "prompt": Prompts}
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
@@ -40,7 +44,7 @@ def _generate_body() -> type[BaseModel]:
     hints = typing.get_type_hints(GenerateRequest)
     body: dict[str, Any] = {}
     for f in dataclasses.fields(GenerateRequest):
-        kind = TokenIds if f.name == "input_ids" else hints[f.name]
+        kind = _UNCHECKED.get(f.name, hints[f.name])
         body[WIRE_NAMES.get(f.name, f.name)] = (kind, f.default)
     return create_model("GenerateBody", __config__=ConfigDict(extra="forbid"), **body)
 

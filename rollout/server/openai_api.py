@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
+from rollout.control import is_int
 from rollout.engine.chat_template import chat_ids
 from rollout.engine.output_builder import TokenText
 from rollout.engine.request_validation import encode_prompt
-from rollout.errors import InvalidRequest
+from rollout.errors import InvalidRequest, InvalidRequestType
 from rollout.server.json_body import OffLoopRoute
 from rollout.server.openai_format import (
     chat_logprobs,
@@ -77,11 +78,19 @@ def _prompts(body: CompletionRequest, engine: RolloutEngine) -> tuple[list[list[
     p = body.prompt
     if isinstance(p, str):
         p = [p]
+    if not isinstance(p, list):
+        raise InvalidRequestType("prompt must be a string, a list of strings or token ids")
     if not p:
         raise InvalidRequest("prompt is empty")
-    if all(isinstance(x, int) for x in p):
+    if all(is_int(x) for x in p):
         prompts = [list(p)]  # type: ignore[arg-type]
     else:
+        for x in p:
+            if not isinstance(x, str) and not (isinstance(x, list) and all(is_int(t) for t in x)):
+                raise InvalidRequestType(
+                    "prompt must be a string, a list of strings, a list of token ids, or a list "
+                    "of such lists"
+                )
         tok, limits = engine.tokenizer, engine.limits
         prompts = [
             encode_prompt(tok, limits, x, f"prompt {i}") if isinstance(x, str) else list(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
 
 class StreamOptions(BaseModel):
@@ -69,7 +69,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Checked where it is tokenized, off the event loop (openai_api._prompts; see native.py).
+    prompt: SkipValidation[str | list[str] | list[int] | list[list[int]]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
