@@ -31,14 +31,13 @@ from rollout.engine.model_runner import ModelRunner
 from rollout.engine.processes import Addresses, watch_parent
 from rollout.engine.tp_follower import Follower, rank_memory
 from rollout.engine.tp_setup import OtherRanks, join_group
-from rollout.errors import ControlError, InvalidRequest
+from rollout.engine.weight_sync_port import RanksPort, RunnerPort
+from rollout.errors import ControlError
 from rollout.forward.tensor_parallel import SINGLE, TPGroup
 from rollout.weight_sync.deferred import Deferred
+from rollout.weight_sync.rank_weights import RankWeights
 
 logger = logging.getLogger(__name__)
-
-# The weight-sync calls that touch rank 0's state alone.
-_RANK0_CALLS = {"get_weight_version", "update_weight_version", "pause_generation", "continue_generation"}
 
 IDLE_POLL_MS = 1000
 DEFERRED_POLL_MS = 10  # while a deferred control call waits: how soon its reply goes out
@@ -140,8 +139,6 @@ class SchedulerProcess:
                 ranks += [reply.result for reply in self.ranks.call("rank_memory")]
             info = {**self.info, **self.scheduler.server_info(), **self.weight_sync.info()}
             return {**info, "ranks": ranks}
-        if self.ranks is not None and call.method not in _RANK0_CALLS:
-            raise InvalidRequest(f"{call.method} is not available with tp_size > 1 yet")
         return self.weight_sync.run(call)
 
     @staticmethod
@@ -247,6 +244,7 @@ def run_scheduler_process(
         proc = SchedulerProcess(options, tp)
         if tp.size > 1:
             proc.ranks = OtherRanks(ctx, addrs, proc.runner)
+            proc.weight_sync.use_other_ranks(RanksPort(proc.ranks))
         send.send_pyobj(SchedulerReady(proc.info))
         proc.loop(recv, send)
     except BaseException:  # noqa: BLE001 - every failure must reach the caller
@@ -272,7 +270,8 @@ def _follow(ctx: zmq.Context, options: EngineOptions, addrs: Addresses, rank: in
     try:
         options, tp = join_group(options, addrs, rank)
         runner, _, _ = build_runner(options, tp)
-        handlers = {"rank_memory": lambda: rank_memory(runner)}
+        weights = RankWeights(RunnerPort(runner), options.weight_sync, CALLS, tp.rank, tp.size)
+        handlers = {"rank_memory": lambda: rank_memory(runner), **weights.handlers()}
         Follower(runner, handlers).run(recv, replies)
     except BaseException:  # noqa: BLE001 - every failure must reach the caller
         report.send_pyobj(

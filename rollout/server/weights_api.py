@@ -51,7 +51,12 @@ GroupBody = _body("GroupBody", calls.DestroyWeightsUpdateGroup)
 DistributedBody = _body("DistributedBody", calls.UpdateWeightsFromDistributed)
 # load_format: how the sender gave the tensors (None or flattened_bucket, checked as the Python
 # API's argument is); the handles carry the layout, so both load the same way.
-TensorBody = _body("TensorBody", calls.UpdateWeightsFromTensor, tensor_handles=dict[str, Any])
+# tensor_handles: one set of handles for every tensor-parallel rank, or a list of one per rank.
+TensorBody = _body(
+    "TensorBody",
+    calls.UpdateWeightsFromTensor,
+    tensor_handles=dict[str, Any] | list[dict[str, Any]],
+)
 DiskBody = _body("DiskBody", calls.UpdateWeightsFromDisk, allowed_roots=None)  # the server's
 WeightsByNameBody = _body("WeightsByNameBody", calls.GetWeightsByName)
 VersionBody = _body("VersionBody", calls.UpdateWeightVersion)
@@ -80,7 +85,12 @@ def update_weights_from_distributed(body: DistributedBody, request: Request) -> 
 
 @router.post("/update_weights_from_tensor")
 def update_weights_from_tensor(body: TensorBody, request: Request) -> dict:
-    handles = TensorHandles.from_json(body.tensor_handles)
+    given = body.tensor_handles
+    handles = (
+        [TensorHandles.from_json(h) for h in given]
+        if isinstance(given, list)
+        else TensorHandles.from_json(given)
+    )
     return _engine(request).update_weights_from_tensor(
         handles, body.load_format, body.flush_cache, body.weight_version
     )
@@ -93,8 +103,12 @@ def update_weights_from_disk(body: DiskBody, request: Request) -> dict:
         path = os.path.realpath(body.model_path)
     except ValueError as e:  # a NUL byte, or text that is no file name here
         raise InvalidRequest(f"model_path is not a usable path: {e}") from None
-    if not any(os.path.commonpath([path, os.path.realpath(r)]) == os.path.realpath(r) for r in roots):
-        allowed = ", ".join(roots) if roots else "none configured (start with --allowed-weight-roots DIR)"
+    if not any(
+        os.path.commonpath([path, os.path.realpath(r)]) == os.path.realpath(r) for r in roots
+    ):
+        allowed = (
+            ", ".join(roots) if roots else "none configured (start with --allowed-weight-roots DIR)"
+        )
         raise Forbidden(f"model_path {body.model_path!r} is not under an allowed root: {allowed}")
     # The roots go with the call: the scheduler checks every file (config, index, each shard)
     # where it opens it, so neither a symlink nor an index naming files elsewhere gets out.

@@ -28,10 +28,11 @@ from rollout.weight_sync.update_group import check_group_args
 from rollout.weight_sync.versions import check_version
 
 # What update_weights_from_tensor takes: (name, tensor) pairs or a dict (load_format None), a
-# FlatBucket or a list of them ("flattened_bucket"), or handles another process shared.
+# FlatBucket or a list of them ("flattened_bucket"), or handles another process shared (one
+# set, or a list of one set per tensor-parallel rank).
 NamedTensors = (
     Sequence[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor] | FlatBucket
-    | Sequence[FlatBucket] | TensorHandles
+    | Sequence[FlatBucket] | TensorHandles | Sequence[TensorHandles]
 )  # fmt: skip
 Shareable = list[tuple[str, torch.Tensor]] | FlatBucket | list[FlatBucket]
 
@@ -123,28 +124,46 @@ class UpdateWeightsFromDistributed(ControlCall):
 @dataclass(frozen=True)
 class UpdateWeightsFromTensor(ControlCall):
     """Load tensors shared by reference (CUDA IPC handles, or shared-memory blocks on the host).
-    `load_format` says how the sender gave them (see `share`); the handles carry the layout."""
+    `load_format` says how the sender gave them (see `share`); the handles carry the layout.
+    Every tensor is the full checkpoint tensor (each tensor-parallel rank keeps its slice):
+    one set of handles that every rank opens, or a list of one set per rank, in rank order
+    (e.g. each on that rank's GPU)."""
 
     method: ClassVar[str] = "update_weights_from_tensor"
-    tensor_handles: TensorHandles  # or its JSON form, checked field by field
+    # TensorHandles or their JSON form (checked field by field), or a list of them per rank.
+    tensor_handles: TensorHandles | tuple[TensorHandles, ...]
     load_format: str | None = None
     flush_cache: bool = True
     weight_version: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.tensor_handles, dict):
-            settle(self, "tensor_handles", TensorHandles.from_json(self.tensor_handles))
-        elif not isinstance(self.tensor_handles, TensorHandles):
-            kind = type(self.tensor_handles).__name__
-            raise InvalidRequestType(
-                f"tensor_handles must be TensorHandles or their JSON, got {kind}"
-            )
+        handles = self.tensor_handles
+        if isinstance(handles, (list, tuple)):
+            if not handles:
+                raise InvalidRequest("tensor_handles per rank must be a non-empty list")
+            settle(self, "tensor_handles", tuple(_handles(h) for h in handles))
+        else:
+            settle(self, "tensor_handles", _handles(handles))
         _check_tensor_format(self.load_format)
         _flush_cache(self.flush_cache)
         check_version(self.weight_version)
 
     def to_wire(self) -> dict[str, Any]:
-        return {**super().to_wire(), "tensor_handles": self.tensor_handles.to_json()}
+        handles = self.tensor_handles
+        wire = [h.to_json() for h in handles] if isinstance(handles, tuple) else handles.to_json()
+        return {**super().to_wire(), "tensor_handles": wire}
+
+    def handles_for(self, rank: int, size: int) -> TensorHandles:
+        """The handles tensor-parallel rank `rank` of `size` opens."""
+        handles = self.tensor_handles
+        if not isinstance(handles, tuple):
+            return handles
+        if len(handles) != size:
+            raise InvalidRequest(
+                f"tensor_handles holds {len(handles)} sets of handles, one per rank, but the "
+                f"engine has {size} tensor-parallel rank(s): give {size}, or one set for all"
+            )
+        return handles[rank]
 
     @classmethod
     @contextlib.contextmanager
@@ -155,7 +174,7 @@ class UpdateWeightsFromTensor(ControlCall):
         """The call for tensors of this process, shared here (as handles) until the block ends:
         send it and wait for the reply inside. TensorHandles shared by another process are
         sent as they are."""
-        if isinstance(named_tensors, TensorHandles):
+        if isinstance(named_tensors, TensorHandles) or _per_rank(named_tensors):
             yield cls(named_tensors, load_format, flush_cache, weight_version)
             return
         _check_tensor_format(load_format)
@@ -164,6 +183,26 @@ class UpdateWeightsFromTensor(ControlCall):
             yield cls(sent.handles, load_format, flush_cache, weight_version)
         finally:
             sent.close()
+
+
+def _handles(value: Any) -> TensorHandles:
+    if isinstance(value, dict):
+        return TensorHandles.from_json(value)
+    if not isinstance(value, TensorHandles):
+        raise InvalidRequestType(
+            f"tensor_handles must be TensorHandles or their JSON (or a list of them, one per "
+            f"rank), got {type(value).__name__}"
+        )
+    return value
+
+
+def _per_rank(value: Any) -> bool:
+    """A list of TensorHandles: one set per tensor-parallel rank, shared by their sender."""
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(h, TensorHandles) for h in value)
+    )
 
 
 def _check_tensor_format(load_format: Any) -> None:
@@ -175,8 +214,10 @@ def _tensor_source(named_tensors: NamedTensors, load_format: str | None) -> Shar
     if load_format == "flattened_bucket":
         if isinstance(named_tensors, FlatBucket):
             return named_tensors
-        if isinstance(named_tensors, (list, tuple)) and named_tensors and all(
-            isinstance(b, FlatBucket) for b in named_tensors
+        if (
+            isinstance(named_tensors, (list, tuple))
+            and named_tensors
+            and all(isinstance(b, FlatBucket) for b in named_tensors)
         ):
             return list(named_tensors)
         raise InvalidRequestType(

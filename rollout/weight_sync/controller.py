@@ -12,27 +12,22 @@ While generation is paused, updates are staged into one open transaction: they b
 together at `continue_generation` (or `update_weight_version`), and a failure rolls all of them
 back. Weights whose values were lost (released without a CPU copy, or a failed update that had
 no backup) are "missing": generation waits until they are pushed again.
+
+With tensor parallelism this controller runs on rank 0, and every weight and memory call acts
+on every rank (rank_sync.py): an update commits on all ranks or is rolled back on all; the
+version, the pause and what is staged are rank 0's alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rollout.config import WeightSyncOptions
 from rollout.control import ControlCall
-from rollout.errors import (
-    EXCEPTIONS,
-    Forbidden,
-    InvalidRequest,
-    RequestError,
-    WeightSyncError,
-    kind_of,
-)
-from rollout.models.loader import OutsideRootsError
-from rollout.weight_sync import disk_source, distributed_source
+from rollout.errors import EXCEPTIONS, InvalidRequest, RequestError, WeightSyncError, kind_of
 from rollout.weight_sync.calls import (
     ContinueGeneration,
     DestroyWeightsUpdateGroup,
@@ -49,9 +44,9 @@ from rollout.weight_sync.calls import (
 )
 from rollout.weight_sync.deferred import Deferred
 from rollout.weight_sync.engine_port import EnginePort
+from rollout.weight_sync.local_update import LocalUpdates, Update
 from rollout.weight_sync.memory import MemoryOccupation
-from rollout.weight_sync.specs import WeightSpec, check_against_model
-from rollout.weight_sync.tensor_handles import OpenedTensors, check_receivable, open_tensors
+from rollout.weight_sync.rank_sync import OtherRanks, OtherRankWeights
 from rollout.weight_sync.transaction import HostBuffers, WeightTransaction
 from rollout.weight_sync.update_groups import UpdateGroups
 from rollout.weight_sync.versions import VersionLabels
@@ -59,7 +54,6 @@ from rollout.weight_sync.versions import VersionLabels
 logger = logging.getLogger(__name__)
 
 PAUSED, MISSING = "paused", "weights_missing"  # why generation is held
-TP_RANK = 0  # one scheduler process per engine for now
 
 Result = dict[str, Any]
 
@@ -72,12 +66,13 @@ class WeightSyncController:
         self.versions = VersionLabels(engine.weight_version)
         self.memory = MemoryOccupation(engine, options.enable_weights_cpu_backup)
         self.groups = UpdateGroups(engine.device)
+        self.local = LocalUpdates(engine, self.groups, self._weights_released)
+        self.others: OtherRankWeights | None = None  # the other tensor-parallel ranks
         self.host_buffers = HostBuffers()
         self.txn: WeightTransaction | None = None  # staged while paused
         self.txn_version: str | None = None
         self.paused_mode: str | None = None
         self.missing: set[str] = set()
-        self._ipc_open: OpenedTensors | None = None
         self._handlers: dict[type[ControlCall], Callable[[Any], Result | Deferred]] = {
             InitWeightsUpdateGroup: self.init_weights_update_group,
             DestroyWeightsUpdateGroup: self.destroy_weights_update_group,
@@ -92,6 +87,15 @@ class WeightSyncController:
             ReleaseMemoryOccupation: self.release_memory_occupation,
             ResumeMemoryOccupation: self.resume_memory_occupation,
         }
+
+    def use_other_ranks(self, ranks: OtherRanks) -> None:
+        """With tensor parallelism (rank 0 runs this controller): every weight and memory call
+        acts on `ranks` too, and every update commits on all ranks or on none."""
+        self.others = OtherRankWeights(ranks)
+        self.local = LocalUpdates(self.engine, self.groups, self._weights_released, 0, ranks.size)
+
+    def _weights_released(self) -> bool:
+        return "weights" in self.memory.released
 
     def run(self, call: ControlCall) -> Result | Deferred:
         """Runs one weight call: {"success": True, "message": ..., ...}, or a Deferred of that.
@@ -112,14 +116,61 @@ class WeightSyncController:
     def init_weights_update_group(self, call: InitWeightsUpdateGroup) -> Deferred:
         if call.backend == "nccl" and self.engine.device.type != "cuda":
             raise InvalidRequest("the nccl backend needs the engine on a GPU; use backend='gloo'")
+        if self.others is not None:
+            return self._join_on_every_rank(call, self.others)
         return self.groups.join(
-            call.master_address, call.master_port, call.rank_offset + TP_RANK, call.world_size,
+            call.master_address, call.master_port, call.rank_offset, call.world_size,
             call.group_name, call.backend, call.timeout_s or self.opts.weight_sync_timeout_s,
         )  # fmt: skip
 
+    def _join_on_every_rank(
+        self, call: InitWeightsUpdateGroup, others: OtherRankWeights
+    ) -> Deferred:
+        """Every rank joins, as member rank_offset + its rank; the reply waits for them all, and
+        if any failed, those that joined leave again."""
+        name, size = call.group_name, others.size
+        if call.rank_offset + size > call.world_size:
+            raise InvalidRequest(
+                f"world_size {call.world_size} has no room for this engine's {size} "
+                f"tensor-parallel ranks, which join as ranks rank_offset ({call.rank_offset}) to "
+                f"{call.rank_offset + size - 1}: world_size must count every engine rank"
+            )
+        self.groups.check_free(name)
+        others.join(call)
+        here = self.groups.join(
+            call.master_address, call.master_port, call.rank_offset, call.world_size, name,
+            call.backend, call.timeout_s or self.opts.weight_sync_timeout_s,
+        )  # fmt: skip
+
+        def finish() -> Result:
+            failures = others.joined(name)
+            try:
+                here.finish()
+            except Exception:
+                others.leave(name)  # those that joined; the others have nothing to leave
+                raise
+            if failures:
+                self.groups.leave(name)
+                others.leave(name)
+                raise WeightSyncError("; ".join(failures))
+            last = call.rank_offset + size - 1
+            return {
+                "message": f"joined {name!r} as ranks {call.rank_offset}-{last} of {call.world_size}"
+            }
+
+        return Deferred(here.done, finish)
+
     def destroy_weights_update_group(self, call: DestroyWeightsUpdateGroup) -> Result | Deferred:
         retry = lambda: self.destroy_weights_update_group(call)  # noqa: E731
-        return self.groups.after_join(call.group_name, retry) or self.groups.leave(call.group_name)
+        waiting = self.groups.after_join(call.group_name, retry)
+        if waiting is not None:
+            return waiting
+        out = self.groups.leave(call.group_name)
+        if self.others is not None:
+            failures = self.others.leave(call.group_name)
+            if failures:
+                raise WeightSyncError("; ".join(failures))
+        return out
 
     # ---- the three sources ------------------------------------------------------------------
     def update_weights_from_distributed(
@@ -129,106 +180,64 @@ class WeightSyncController:
         waiting = self.groups.after_join(call.group_name, retry)
         if waiting is not None:
             return waiting
-        with self._all_or_nothing():
-            group = self.groups.get(call.group_name)
-            specs = call.specs
-            units = distributed_source.broadcast_units(specs, call.load_format)
-            try:
-                self._check(specs, exact_dtype=True)
-            except RequestError:
-                distributed_source.drain(group, units)  # the trainer is sending: let it finish
-                raise
-            stream = lambda: distributed_source.receive(group, units)  # noqa: E731
-            return self._update(specs, stream, True, streamed=True, version=call.weight_version)
+        with self._all_or_nothing(call):
+            return self._update(self.local.distributed(call), call.weight_version)
 
     def update_weights_from_tensor(self, call: UpdateWeightsFromTensor) -> Result:
-        with self._all_or_nothing():
-            handles = call.tensor_handles
-            check_receivable(handles)
-            opened: list[OpenedTensors] = []
-
-            def source() -> Iterable:
-                opened.append(open_tensors(handles))
-                return opened[0].named
-
-            try:
-                return self._update(handles.specs, source, True, False, call.weight_version)
-            finally:
-                if opened and handles.kind == "cuda":
-                    # CUDA handles stay open until the next call (opened before the previous
-                    # ones close): a sender reusing its buffers then hits torch's cache of
-                    # open handles.
-                    previous, self._ipc_open = self._ipc_open, opened[0]
-                    if previous is not None:
-                        previous.close()
-                elif opened:
-                    opened[0].close()
+        with self._all_or_nothing(call), self.local.tensor(call) as update:
+            return self._update(update, call.weight_version)
 
     def update_weights_from_disk(self, call: UpdateWeightsFromDisk) -> Result:
         """Every file opened must resolve under one of call.allowed_roots (None: anywhere)."""
-        with self._all_or_nothing():
-            path, roots = call.model_path, call.allowed_roots
-            with _checkpoint_errors():
-                disk_source.check_config(path, self.engine.hf_config, roots)
-                found = disk_source.read_specs(path, roots)
-            specs = [spec for _, spec in found.values()]
-            keep = self._check(specs, exact_dtype=False)
-            lacking = sorted(set(self.expected) - {s.name for s in keep})
-            if lacking:
-                raise InvalidRequest(
-                    f"checkpoint {path!r} lacks {len(lacking)} weights, e.g. {lacking[:3]}"
-                )
-            names = [s.name for s in specs]
-
-            def read() -> list:
-                with _checkpoint_errors():
-                    return disk_source.read_tensors(found, names, path, roots)
-
-            return self._update(specs, read, False, streamed=False, version=call.weight_version)
+        with self._all_or_nothing(call):
+            return self._update(self.local.disk(call), call.weight_version)
 
     # ---- the one update path ----------------------------------------------------------------
     @contextlib.contextmanager
-    def _all_or_nothing(self) -> Iterator[None]:
-        """An update that fails in any way (a refused argument too) while others are staged
+    def _all_or_nothing(self, call: ControlCall) -> Iterator[None]:
+        """The other ranks (if any) get `call` first and load it alongside rank 0. An update
+        that fails in any way (a refused argument too) on any rank while others are staged
         takes them down with it: a paused multi-part update applies whole or not at all."""
+        if self.others is not None:
+            self.others.start_load(call)
         try:
             yield
         except Exception as e:
-            if self.txn is None:
+            if self.txn is None and (self.others is None or not self.others.open):
                 raise  # nothing staged, or `_update` already rolled it back
             raise _failure(e, self._roll_back(self.txn, e)) from e
+        finally:
+            if self.others is not None:
+                self.others.settle()
 
-    def _check(self, specs: list[WeightSpec], exact_dtype: bool) -> list[WeightSpec]:
-        if "weights" in self.memory.released:
-            raise InvalidRequest("the weights are released; call resume_memory_occupation first")
-        return check_against_model(specs, self.expected, self.model.is_ignored_weight, exact_dtype)
-
-    def _update(
-        self, specs: list[WeightSpec], source: Callable[[], Iterable], exact_dtype: bool,
-        streamed: bool, version: str | None,
-    ) -> Result:  # fmt: skip
-        """Validates `specs`, then loads what `source()` yields. A `streamed` source may fail
-        midway, so it is loaded with a backup; the others hold every tensor before the first
-        write. While paused the update joins the staged transaction instead of committing."""
-        self._check(specs, exact_dtype)
+    def _update(self, update: Update, version: str | None) -> Result:
+        """Loads the (checked) `update`. A streamed one may fail midway, so it is loaded with a
+        backup; the others hold every tensor before the first write. While paused the update
+        joins the staged transaction instead of committing. With other ranks, nothing commits
+        until every rank has loaded, so every rank keeps a backup."""
         staged = PAUSED in self.engine.held_by()
         txn = self.txn
         if txn is None:
-            backup = self.opts.weight_update_backup if streamed or staged else None
+            keep = update.streamed or staged or self.others is not None
+            backup = self.opts.weight_update_backup if keep else None
             txn = WeightTransaction(self.model, backup, self.host_buffers, frozenset(self.missing))
         try:
-            for name, tensor in source():
-                txn.load(name, tensor)
+            for name, tensor in update.tensors():
+                txn.load(name, tensor, update.presharded)
             txn.wait()
+            if self.others is not None:
+                self.others.check_loaded()
         except Exception as e:
             raise _failure(e, self._roll_back(txn, e)) from e
         if staged:
             self.txn, self.txn_version = txn, version or self.txn_version
-            message = f"staged {len(specs)} tensors; they apply at continue_generation"
+            message = f"staged {update.count} tensors; they apply at continue_generation"
             return {"message": message, "staged": True}
         return self._commit(txn, version)
 
     def _commit(self, txn: WeightTransaction, version: str | None) -> Result:
+        if self.others is not None and self.others.open:
+            self.others.commit()
         names = txn.commit()
         self.txn, self.txn_version = None, None
         self.missing.difference_update(names)
@@ -238,16 +247,22 @@ class WeightSyncController:
         self.engine.publish_weight_version(label, weights_changed=True)
         return {"message": f"loaded {len(names)} weights", "weight_version": label}
 
-    def _roll_back(self, txn: WeightTransaction, error: Exception) -> str:
+    def _roll_back(self, txn: WeightTransaction | None, error: Exception) -> str:
         staged = self.txn is not None
         self.txn, self.txn_version = None, None
-        lost = txn.unrecoverable()
-        complete = txn.rollback()
+        lost = []
+        if txn is not None:
+            lost = txn.unrecoverable()
+            txn.rollback()
         scope = "every update staged since the pause was" if staged else "the update was"
-        if complete:
+        where = ""
+        if self.others is not None and self.others.open:
+            lost = sorted({*lost, *self.others.roll_back()})
+            where = " on every rank"
+        if not lost:
             current = self.versions.current
             return (
-                f"{error}; {scope} rolled back: the weights and version {current!r} are "
+                f"{error}; {scope} rolled back{where}: the weights and version {current!r} are "
                 "unchanged"
             )
         self.missing.update(lost)
@@ -265,7 +280,12 @@ class WeightSyncController:
             view = self.model.hf_weight(call.name)
         except KeyError:
             raise InvalidRequest(f"unknown weight name {call.name!r}") from None
-        return {"values": view[: call.truncate_size].float().cpu().tolist()}
+        shard = None if self.others is None else self.model.hf_shard(call.name)
+        if shard is None:  # this rank holds all of it
+            return {"values": view[: call.truncate_size].float().cpu().tolist()}
+        full = self.expected[call.name][0]
+        rows = self.others.gather_rows(call.name, view, shard, full, call.truncate_size)
+        return {"values": rows.float().tolist()}
 
     def update_weight_version(self, call: UpdateWeightVersion) -> Result:
         """Publishes call.new_version: staged updates commit under it; otherwise a relabel."""
@@ -301,28 +321,19 @@ class WeightSyncController:
             raise InvalidRequest(
                 "an update is staged; continue_generation (or update_weight_version) first"
             )
-        return self.memory.release(list(call.tags))
+        out = self.memory.release(list(call.tags))
+        if self.others is not None:
+            self.others.release(list(call.tags))
+        return out
 
     def resume_memory_occupation(self, call: ResumeMemoryOccupation) -> Result:
         out = self.memory.resume(list(call.tags))
+        if self.others is not None and self.others.resume(list(call.tags)):
+            out["weights_lost"] = True
         if out["weights_lost"]:
             self.missing = set(self.expected)
             self.engine.hold(MISSING)
         return out
-
-
-@contextlib.contextmanager
-def _checkpoint_errors() -> Iterator[None]:
-    """The checkpoint loader (rollout.models.loader) refuses a file outside the allowed roots
-    with OutsideRootsError and a malformed one with ValueError: both are the caller's to fix."""
-    try:
-        yield
-    except RequestError:
-        raise
-    except OutsideRootsError as e:
-        raise Forbidden(str(e)) from e
-    except ValueError as e:
-        raise InvalidRequest(str(e)) from e
 
 
 def _failure(error: Exception, message: str) -> Exception:

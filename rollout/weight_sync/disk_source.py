@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from rollout.errors import InvalidRequest
+from rollout.forward.tensor_parallel import Shard
 from rollout.models.loader import open_checked, safetensors_files, shard_label
 from rollout.weight_sync.specs import WeightSpec
 
@@ -134,10 +135,16 @@ def read_specs(model_path: str, roots: Sequence[str] | None = None) -> Found:
 
 
 def read_tensors(
-    specs: Found, names: list[str], model_path: str, roots: Sequence[str] | None = None
+    specs: Found,
+    names: list[str],
+    model_path: str,
+    roots: Sequence[str] | None = None,
+    shard_of: Callable[[str], Shard | None] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """Reads `names` into host memory, file by file; ValueError if any is unreadable or differs
-    from its header. Each file is opened (and, with `roots`, checked) again here."""
+    from its header. Each file is opened (and, with `roots`, checked) again here. With
+    `shard_of` (a tensor-parallel rank's `hf_shard`), a tensor it gives a Shard for is read as
+    that slice only (its header must hold the full shape: check the specs first)."""
     by_file: dict[str, list[str]] = {}
     for name in names:
         by_file.setdefault(specs[name][0], []).append(name)
@@ -148,9 +155,15 @@ def read_tensors(
             try:
                 with safe_open(readable, framework="pt") as f:
                     for name in file_names:
-                        tensor = f.get_tensor(name)
                         spec = specs[name][1]
-                        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                        shard = None if shard_of is None else shard_of(name)
+                        if shard is None:
+                            tensor, shape = f.get_tensor(name), spec.shape
+                        else:
+                            tensor = f.get_slice(name)[shard.index()]
+                            shape = tuple(shard.size if d == shard.dim else n
+                                          for d, n in enumerate(spec.shape))  # fmt: skip
+                        if tuple(tensor.shape) != shape or tensor.dtype != spec.dtype:
                             raise InvalidRequest(f"{name} in {label} does not match its header")
                         out.append((name, tensor))
             except (SafetensorError, OSError, RuntimeError) as e:

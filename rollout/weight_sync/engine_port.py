@@ -14,13 +14,16 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
+from rollout.forward.tensor_parallel import Shard
+
 if TYPE_CHECKING:  # transformers is slow to import; the trainer's side never needs it
     from transformers import PretrainedConfig
 
 
 class WeightModel(Protocol):
     """What weight sync uses of a model (every model of rollout.models has it): its weights by
-    Hugging Face name, and the nn.Module parameters and buffers behind them."""
+    Hugging Face name (full checkpoint shapes, whatever this rank holds of them), and the
+    nn.Module parameters and buffers behind them."""
 
     def hf_param_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
 
@@ -28,9 +31,17 @@ class WeightModel(Protocol):
         """The parameter (or the slice of a fused one) that holds weight `hf_name`."""
         ...
 
+    def hf_shard(self, hf_name: str) -> Shard | None:
+        """The slice of the full tensor `hf_name` this tensor-parallel rank holds (None: all)."""
+        ...
+
     def is_ignored_weight(self, hf_name: str) -> bool: ...
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], presharded: bool = False
+    ) -> set[str]:
+        """Full tensors (this rank keeps its slice), or with `presharded` this rank's slices."""
+        ...
 
     def parameters(self) -> Iterator[nn.Parameter]: ...
 

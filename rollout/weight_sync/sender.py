@@ -14,8 +14,9 @@ all weights or none.
   default all buckets go in one call, so the trainer holds one packed copy; with
   `stream_buckets=True` one bucket buffer is reused call after call while generation is
   paused (in place), which the engine applies together when it continues.
-- distributed: the engine joins a group this sender creates (rank 0); one broadcast per
-  tensor, or per dtype with load_format="flattened_bucket".
+- distributed: the engine joins a group this sender creates (rank 0), each of its
+  tensor-parallel ranks as a member of its own; one broadcast per tensor, or per dtype with
+  load_format="flattened_bucket".
 - disk: writes a safetensors checkpoint (with the engine's config.json) to `disk_dir`.
 """
 
@@ -75,6 +76,7 @@ class WeightSender:
         info = target.get_server_info()
         self.dtype = parse_dtype(info["dtype"])
         self.engine_model_path = info.get("model_path")
+        self.engine_ranks = info.get("tp_size", 1)  # each joins an update group
         self.group: UpdateGroup | None = None
         self._buckets: list[FlatBucket] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sender")
@@ -88,12 +90,15 @@ class WeightSender:
         `device`: this process's GPU for NCCL."""
         if self.method != "distributed":
             raise ValueError(f"init_group is for method='distributed', this sender uses {self.method!r}")
+        world = 1 + self.engine_ranks
         joined = self._pool.submit(
             self.target.init_weights_update_group,
-            master_address, master_port, 1, 2, group_name, backend, timeout_s,
+            master_address, master_port, 1, world, group_name, backend, timeout_s,
         )  # fmt: skip
         try:
-            self.group = UpdateGroup.join(master_address, master_port, 0, 2, group_name, backend, timeout_s, device)
+            self.group = UpdateGroup.join(
+                master_address, master_port, 0, world, group_name, backend, timeout_s, device
+            )
         finally:
             joined.result()  # the engine's error, if it failed to join
 

@@ -55,8 +55,10 @@ class WeightTransaction:
         return bool(self.loaded)
 
     @torch.no_grad()
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        """Writes one (validated) weight, saving its old value first when backing up."""
+    def load(self, name: str, tensor: torch.Tensor, presharded: bool = False) -> None:
+        """Writes one (validated) weight, saving its old value first when backing up. `tensor`
+        is the full checkpoint tensor (this rank keeps its slice), or with `presharded` this
+        tensor-parallel rank's slice."""
         if self.model.is_ignored_weight(name):
             return
         view = self.model.hf_weight(name)
@@ -66,9 +68,14 @@ class WeightTransaction:
             else:
                 # NOTE: non_blocking is safe: the load below is queued after this copy on the
                 # same stream, so the copy reads the old values.
-                self._saved[name] = self.host_buffers.like(name, view).copy_(view, non_blocking=True)
+                self._saved[name] = self.host_buffers.like(name, view).copy_(
+                    view, non_blocking=True
+                )
         self.loaded[name] = None
-        self.model.load_weights([(name, tensor)])
+        if presharded:
+            self.model.load_weights([(name, tensor)], presharded=True)
+        else:
+            self.model.load_weights([(name, tensor)])
 
     def unrecoverable(self) -> list[str]:
         """Weights written without a saved value to return to."""

@@ -38,13 +38,7 @@ class UpdateGroups:
     ) -> Deferred:  # fmt: skip
         """Starts joining on a thread; the deferred reply comes once every rank joined or the
         join failed (within timeout_s). A failed join leaves nothing behind: retry the name."""
-        if group_name in self.joining:
-            raise InvalidRequest(
-                f"weight update group {group_name!r} is being joined; wait for that"
-            )
-        old = self.open.get(group_name)
-        if old is not None and not old.closed:
-            raise InvalidRequest(f"weight update group {group_name!r} exists; destroy it first")
+        self.check_free(group_name)
         device = self.device
 
         def run() -> UpdateGroup:
@@ -63,6 +57,16 @@ class UpdateGroups:
             return {"message": f"joined {group_name!r} as rank {rank} of {world_size}"}
 
         return Deferred(future.done, finish)
+
+    def check_free(self, group_name: str) -> None:
+        """Raises InvalidRequest unless `group_name` may be joined now."""
+        if group_name in self.joining:
+            raise InvalidRequest(
+                f"weight update group {group_name!r} is being joined; wait for that"
+            )
+        old = self.open.get(group_name)
+        if old is not None and not old.closed:
+            raise InvalidRequest(f"weight update group {group_name!r} exists; destroy it first")
 
     def after_join(self, group_name: str, call: Callable[[], Any]) -> Deferred | None:
         """`call` deferred until the join of `group_name` has ended; None when none is pending
