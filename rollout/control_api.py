@@ -29,5 +29,6 @@ class ControlAPI:
     update_weight_version = control_method(calls.UpdateWeightVersion)
     pause_generation = control_method(calls.PauseGeneration)
     continue_generation = control_method(calls.ContinueGeneration)
+    discard_staged_weights = control_method(calls.DiscardStagedWeights)
     release_memory_occupation = control_method(calls.ReleaseMemoryOccupation)
     resume_memory_occupation = control_method(calls.ResumeMemoryOccupation)

@@ -159,6 +159,19 @@ def test_updates_staged_while_paused_apply_together_or_not_at_all(engine, tiny_q
         assert out == _hf_continue(tiny_qwen3_perturbed, ids, 8)
 
 
+def test_discarding_staged_updates_restores_the_weights_and_version(engine, tiny_qwen3, tiny_qwen3_perturbed):
+    engine.update_weights_from_disk(tiny_qwen3, weight_version="v0")
+    before = _exact(engine)
+    assert engine.discard_staged_weights()["discarded"] == 0  # nothing staged: nothing to do
+    new = _weights(tiny_qwen3_perturbed)
+    engine.pause_generation(mode="in_place")
+    assert engine.update_weights_from_tensor(new, weight_version="v1")["staged"]
+    assert engine.discard_staged_weights()["discarded"] == len(new)
+    assert engine.get_server_info()["weight_update_staged"] == 0
+    engine.continue_generation()
+    assert _exact(engine) == before and engine.get_weight_version() == "v0"
+
+
 def test_release_with_requests_in_flight_retracts_them_and_they_finish_after_resume(engine, tiny_qwen3):
     engine.update_weights_from_disk(tiny_qwen3)
     reference = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=LONG)]

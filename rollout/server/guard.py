@@ -28,6 +28,7 @@ ADMIN_PATHS = frozenset(
         "/update_weight_version",
         "/pause_generation",
         "/continue_generation",
+        "/discard_staged_weights",
         "/release_memory_occupation",
         "/resume_memory_occupation",
     }

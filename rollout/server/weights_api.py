@@ -150,3 +150,8 @@ def release_memory_occupation(body: TagsBody, request: Request) -> dict:
 @router.post("/resume_memory_occupation")
 def resume_memory_occupation(body: TagsBody, request: Request) -> dict:
     return _engine(request).resume_memory_occupation(body.tags)
+
+
+@router.post("/discard_staged_weights")
+def discard_staged_weights(request: Request) -> dict:
+    return _engine(request).discard_staged_weights()

@@ -331,6 +331,16 @@ class ContinueGeneration(ControlCall):
 
 
 @dataclass(frozen=True)
+class DiscardStagedWeights(ControlCall):
+    """Roll back every update staged since pause_generation (on every rank), leaving the
+    weights and version as they were before it; nothing staged: nothing to do. For a caller
+    that updates several engines together and must undo the ones that took an update when
+    another refused it."""
+
+    method: ClassVar[str] = "discard_staged_weights"
+
+
+@dataclass(frozen=True)
 class _MemoryCall(ControlCall):
     """A call on memory regions by tag: weights, kv_cache, cuda_graph (see memory.py)."""
 
@@ -358,6 +368,6 @@ class ResumeMemoryOccupation(_MemoryCall):
 WEIGHT_CALLS: tuple[type[ControlCall], ...] = (
     InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, UpdateWeightsFromDistributed,
     UpdateWeightsFromTensor, UpdateWeightsFromDisk, GetWeightsByName, GetWeightVersion,
-    UpdateWeightVersion, PauseGeneration, ContinueGeneration, ReleaseMemoryOccupation,
-    ResumeMemoryOccupation,
+    UpdateWeightVersion, PauseGeneration, ContinueGeneration, DiscardStagedWeights,
+    ReleaseMemoryOccupation, ResumeMemoryOccupation,
 )  # fmt: skip

@@ -31,6 +31,7 @@ from rollout.errors import EXCEPTIONS, InvalidRequest, RequestError, WeightSyncE
 from rollout.weight_sync.calls import (
     ContinueGeneration,
     DestroyWeightsUpdateGroup,
+    DiscardStagedWeights,
     GetWeightsByName,
     GetWeightVersion,
     InitWeightsUpdateGroup,
@@ -84,6 +85,7 @@ class WeightSyncController:
             UpdateWeightVersion: self.update_weight_version,
             PauseGeneration: self.pause_generation,
             ContinueGeneration: self.continue_generation,
+            DiscardStagedWeights: self.discard_staged_weights,
             ReleaseMemoryOccupation: self.release_memory_occupation,
             ResumeMemoryOccupation: self.resume_memory_occupation,
         }
@@ -315,6 +317,13 @@ class WeightSyncController:
         waiting = self.engine.held_by()
         note = f"; still held: {', '.join(waiting)}" if waiting else ""
         return {**out, "message": f"generation continues{note}"}
+
+    def discard_staged_weights(self, call: DiscardStagedWeights) -> Result:
+        if self.txn is None:
+            return {"message": "no update is staged", "discarded": 0}
+        staged = len(self.txn.loaded)
+        message = self._roll_back(self.txn, RuntimeError("discarded"))
+        return {"message": message.removeprefix("discarded; "), "discarded": staged}
 
     def release_memory_occupation(self, call: ReleaseMemoryOccupation) -> Result:
         if self.txn is not None:
