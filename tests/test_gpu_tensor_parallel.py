@@ -57,3 +57,26 @@ def test_two_ranks_on_one_gpu_generate_what_one_rank_does(fixture, backend, requ
         lps_b = [e[0] for e in b["meta_info"]["output_token_logprobs"]]
         assert lps_b == pytest.approx(lps_a, abs=1e-4)
     assert [o["output_ids"] for o in one[1]] == [o["output_ids"] for o in two[1]]
+
+
+def test_a_weight_update_reaches_both_ranks_on_one_gpu(tiny_qwen3, tiny_qwen3_perturbed):
+    from safetensors.torch import load_file
+
+    new = load_file(f"{tiny_qwen3_perturbed}/model.safetensors", device="cuda")
+    prompts = [[5, 6, 7, 8], list(range(10, 60))]
+    outs = []
+    for tp in (1, 2):
+        options = dict(
+            dtype="float32", device="cuda", disable_cuda_graph=True, max_total_tokens=4096
+        )
+        if tp > 1:
+            options.update(tp_size=tp, tp_backend="gloo", gpu_ids=[0] * tp)
+        with RolloutEngine(tiny_qwen3, **options) as engine:
+            engine.update_weights_from_tensor(new, weight_version="v1")  # CUDA IPC handles
+            out = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            name = "model.layers.0.self_attn.q_proj.weight"
+            rows = engine.get_weights_by_name(name, truncate_size=4)
+        assert torch.equal(torch.tensor(rows), new[name][:4].cpu())
+        assert all(o["meta_info"]["weight_version"] == "v1" for o in out)
+        outs.append([o["output_ids"] for o in out])
+    assert outs[0] == outs[1]
