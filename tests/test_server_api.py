@@ -221,3 +221,17 @@ def test_bad_bodies_and_the_server_keeps_serving(server, client):
     big = b"x" * (64 * 2**20 + 10)
     assert httpx.post(f"{server}/generate", content=big).status_code == 413
     assert client.generate("still alive?", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_sglang_clients_get_routes_and_server_args_fields(server):
+    # slime calls GET /flush_cache before each update and GET /get_weights_by_name to check one.
+    assert httpx.get(f"{server}/flush_cache").json()["success"] is True
+    name = "model.layers.0.mlp.down_proj.weight"
+    by_get = httpx.get(f"{server}/get_weights_by_name", params={"name": name, "truncate_size": 2})
+    by_post = httpx.post(f"{server}/get_weights_by_name", json={"name": name, "truncate_size": 2})
+    assert by_get.status_code == 200 and by_get.json() == by_post.json() and len(by_get.json()) == 2
+    info = httpx.get(f"{server}/server_info").json()
+    again = httpx.get(f"{server}/get_server_info").json()
+    assert info.keys() == again.keys() and info["model_path"] == again["model_path"]
+    assert (info["tp_size"], info["dp_size"]) == (1, 1)
+    assert info["max_total_num_tokens"] == info["max_total_tokens"] and info["version"]

@@ -224,3 +224,17 @@ def test_bad_pause_and_memory_arguments_are_clear_errors(engine):
     with pytest.raises(ValueError, match="tags must be None or a non-empty list"):
         engine.resume_memory_occupation("kv_cache")
     assert engine.get_server_info()["generation_paused"] is None
+
+
+def test_releasing_twice_or_resuming_what_is_not_released_is_an_error(engine):
+    with pytest.raises(ValueError, match="nothing to resume: kv_cache not released"):
+        engine.resume_memory_occupation(["kv_cache"])
+    engine.release_memory_occupation(["kv_cache"])
+    try:
+        with pytest.raises(ValueError, match="nothing to release: kv_cache already released"):
+            engine.release_memory_occupation(["kv_cache"])
+        # Some of the tags still to release: those are released, the others left as they are.
+        assert engine.release_memory_occupation()["released"] == ["weights", "cuda_graph"]
+    finally:
+        engine.resume_memory_occupation()
+    assert engine.get_server_info()["memory_released"] == []

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, SkipValidation, create_model
 
+from rollout import __version__
 from rollout.engine.messages import AbortRequest
 from rollout.generate_request import WIRE_NAMES, GenerateRequest
 from rollout.server.json_body import OffLoopRoute
@@ -139,10 +140,14 @@ def get_model_info(request: Request) -> dict:
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")  # SGLang's newer name
 def get_server_info(request: Request) -> dict:
     options = request.app.state.options
     public = {"host": options.host, "port": options.port, "auth": options.api_key is not None}
-    return {**_engine(request).get_server_info(), "server": public}
+    info = _engine(request).get_server_info()
+    # The server-args names SGLang's clients read (slime checks them before an update).
+    sglang = {"dp_size": 1, "max_total_num_tokens": info["max_total_tokens"], "version": __version__}
+    return {**info, **sglang, "server": public}
 
 
 @router.get("/get_load")
@@ -159,7 +164,7 @@ def get_load(request: Request) -> list[dict]:
     ]
 
 
-@router.post("/flush_cache")
+@router.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's clients use GET
 def flush_cache(request: Request) -> JSON:
     result = _engine(request).flush_cache()
     return JSON(result, status_code=200 if result.get("success") else 409)

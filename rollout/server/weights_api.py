@@ -122,6 +122,12 @@ def get_weights_by_name(body: WeightsByNameBody, request: Request) -> list:
     return _engine(request).get_weights_by_name(body.name, body.truncate_size)
 
 
+@router.get("/get_weights_by_name")
+def get_weights_by_name_query(request: Request, name: str, truncate_size: int = 100) -> list:
+    """As the POST, with the arguments in the query string (SGLang's clients send GET)."""
+    return _engine(request).get_weights_by_name(name, truncate_size)
+
+
 @router.get("/get_weight_version")
 def get_weight_version(request: Request) -> dict:
     return {"weight_version": _engine(request).get_weight_version()}

@@ -84,10 +84,13 @@ class MemoryOccupation:
         self.weights_lost = False  # the weights' memory was given back without a copy
 
     def release(self, tags: list[str]) -> dict[str, Any]:
-        """Releases the tags not yet released. Returns what happened."""
+        """Releases the tags not yet released (InvalidRequest when all of them are). Returns
+        what happened."""
         engine = self.engine
         todo = [t for t in tags if t not in self.released]
-        if todo and engine.device.type == "cuda" and not engine.releases_memory:
+        if not todo:
+            raise InvalidRequest(f"nothing to release: {', '.join(tags)} already released")
+        if engine.device.type == "cuda" and not engine.releases_memory:
             logger.warning("torch-memory-saver is not installed: releasing keeps the GPU memory")
         retracted = 0
         engine.hold(HOLD)
@@ -108,10 +111,13 @@ class MemoryOccupation:
         return {"released": todo, "retracted_requests": retracted}
 
     def resume(self, tags: list[str]) -> dict[str, Any]:
-        """Resumes the released tags among `tags`. `weights_lost` in the result: the weights came
+        """Resumes the released tags among `tags` (InvalidRequest when none is). `weights_lost` in
+        the result: the weights came
         back without their values, and must be pushed before generation continues."""
         engine = self.engine
         todo = [t for t in tags if t in self.released]
+        if not todo:
+            raise InvalidRequest(f"nothing to resume: {', '.join(tags)} not released")
         lost = False
         if "weights" in todo:
             engine.resume_region("weights")
