@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, SkipValidation
 
 from rollout.server.json_body import OffLoopRoute
 from rollout.server.native import Prompts, TokenIds
-from rollout.server.responses import JSON, error, json_response
+from rollout.server.responses import check_model, error, json_response
 from rollout.server.streaming import until_disconnect
 
 if TYPE_CHECKING:
@@ -79,15 +79,6 @@ def _engine(request: Request) -> Any:
     return request.app.state.engine
 
 
-def _check_model(request: Request, model: str) -> JSON | None:
-    known = {request.app.state.model_name, _engine(request).options.model.model_path}
-    if model not in known:
-        return error(
-            404,
-            f"model {model!r} is not served here; use {request.app.state.model_name!r}",
-            "model_not_found",
-        )
-    return None
 
 
 async def _owned(request: Request, rid: str | list[str] | None, work: Awaitable[Any]) -> Any:
@@ -111,7 +102,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Any:
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingsRequest, request: Request) -> Any:
-    if (bad := _check_model(request, body.model)) is not None:
+    if (bad := check_model(request, body.model)) is not None:
         return bad
     if body.encoding_format not in ("float", "base64"):
         return error(400, f"encoding_format must be float or base64, got {body.encoding_format!r}")
@@ -141,7 +132,7 @@ def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
 
 @router.post("/v1/score")
 async def score(body: ScoreRequest, request: Request) -> Any:
-    if body.model is not None and (bad := _check_model(request, body.model)) is not None:
+    if body.model is not None and (bad := check_model(request, body.model)) is not None:
         return bad
     work = _engine(request).async_score(
         body.query, body.items, body.label_token_ids, body.apply_softmax, body.item_first
@@ -157,7 +148,7 @@ async def rerank(body: RerankRequest, request: Request) -> Any:
     """Documents by relevance to the query, highest first. A classifier (cross-encoder) scores
     each (query, document) pair, tokenized as a pair, by its first output; a causal-LM embedder
     by the cosine similarity of the normalized last-token embeddings."""
-    if body.model is not None and (bad := _check_model(request, body.model)) is not None:
+    if body.model is not None and (bad := check_model(request, body.model)) is not None:
         return bad
     if not body.documents:
         return error(400, "documents must be a non-empty list of str")

@@ -24,7 +24,7 @@ from rollout.server.openai_format import (
     usage,
 )
 from rollout.server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from rollout.server.responses import JSON, error, is_large, json_response
+from rollout.server.responses import check_model, error, is_large, json_response
 from rollout.server.streaming import (
     error_event,
     gather_streams,
@@ -45,15 +45,6 @@ def _model_card(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "rollout", "root": name}
 
 
-def _check_model(request: Request, model: str) -> JSON | None:
-    known = {request.app.state.model_name, request.app.state.engine.options.model.model_path}
-    if model not in known:
-        return error(
-            404,
-            f"model {model!r} is not served here; use {request.app.state.model_name!r}",
-            "model_not_found",
-        )
-    return None
 
 
 @router.get("/v1/models")
@@ -222,7 +213,7 @@ def _stream(
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
-    if (bad := _check_model(request, body.model)) is not None:
+    if (bad := check_model(request, body.model)) is not None:
         return bad
     if body.echo and body.logprobs is not None:
         return error(400, "echo together with logprobs is not supported")
@@ -281,7 +272,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    if (bad := _check_model(request, body.model)) is not None:
+    if (bad := check_model(request, body.model)) is not None:
         return bad
     engine = request.app.state.engine
     prompts = [await engine.run_in_worker(_chat_prompt, body, engine)]

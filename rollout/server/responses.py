@@ -8,6 +8,7 @@ import logging
 import uuid
 from typing import Any
 
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from rollout.engine.messages import public_error
@@ -77,3 +78,15 @@ def describe_failure(exc: BaseException, where: str) -> tuple[int, str, str]:
 
 def failure(exc: BaseException, where: str) -> JSON:
     return error(*describe_failure(exc, where))
+
+
+def check_model(request: Request, model: str) -> JSON | None:
+    """A 404 unless `model` names what this server serves (its served name or model path)."""
+    known = {request.app.state.model_name, request.app.state.engine.options.model.model_path}
+    if model not in known:
+        return error(
+            404,
+            f"model {model!r} is not served here; use {request.app.state.model_name!r}",
+            "model_not_found",
+        )
+    return None
