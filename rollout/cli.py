@@ -51,12 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_generate)
 
     sub.add_parser("serve", help="serve a model over HTTP (see rollout serve --help)", add_help=False)
+    sub.add_parser(
+        "router",
+        help="route requests over several rollout serve workers (see rollout router --help)",
+        add_help=False,
+    )
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
         from rollout.server.launch import main as serve_main
 
         return serve_main(argv[1:])
+    if argv and argv[0] == "router":
+        from rollout.pool.http_router import main as router_main
+
+        return router_main(argv[1:])
     args = parser.parse_args(argv)
     args.func(args)
     return 0

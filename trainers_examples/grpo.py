@@ -15,6 +15,12 @@ the mean reward goes from about 0.01 to above 0.8. On a GPU, for a real model:
     python trainers_examples/grpo.py --model-path /path/to/Qwen3-0.6B --device cuda \
         --dtype bfloat16 --max-new-tokens 64 --lr 1e-6 --steps 200
 
+With --replicas N the rollouts come from a RolloutPool of N engines (Ray actors; a local Ray
+cluster unless --ray-address names one: pip install -e ".[ray]"): each step's prompts are
+spread over the replicas, every push reaches all of them at once, and a replica that dies is
+restarted with the trainer's current weights. On one GPU, give each replica its share of the
+memory: --replicas 2 --engine-option mem_fraction=0.4.
+
 Run with --help for every flag. The run's offline wandb run and a PNG of reward and logprob gap
 per step go to --log-dir (default ./runs/grpo-<date>-<time>; run_log.py). Ends by printing one
 JSON line (steps, first_reward, final_reward, mean_logprob_gap, ...).
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+from typing import Any
 
 import torch
 from example_setup import (
@@ -63,7 +70,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--bucket-mb", type=int, default=512, help="size of the weight push buckets, MiB"
     )
+    parser.add_argument(
+        "--replicas", type=int, default=0,
+        help="generate with a RolloutPool of this many engine replicas on Ray (0: one engine)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ray-address", help="with --replicas: the Ray cluster to join (default: start one)"
+    )
     args = parser.parse_args(argv)
+    if args.replicas < 0:
+        raise SystemExit(f"--replicas must be >= 0, got {args.replicas}")
     resolve_devices(args)
     return args
 
@@ -82,46 +98,67 @@ def ppo_clip_loss(
     return -surrogate, {"clip_frac": ((ratio - 1).abs() > clip).float()}
 
 
+def make_engine(args: argparse.Namespace, model_path: str, policy: torch.nn.Module) -> Any:
+    """One RolloutEngine, or with --replicas a RolloutPool: the same methods either way."""
+    if not args.replicas:
+        from rollout import RolloutEngine
+
+        return RolloutEngine(model_path, **engine_options(args))
+    from rollout.pool import PoolOptions, RolloutPool
+
+    on_gpu = str(args.device).startswith("cuda")
+    # Replicas share the GPUs there are (each then needs a mem_fraction to match).
+    gpus = min(1.0, torch.cuda.device_count() / args.replicas) if on_gpu else None
+    # A replica that restarts gets the policy's weights: the trainer holds them anyway, so the
+    # pool keeps no copy of each push.
+    options = PoolOptions(keep_tensor_snapshot=False, restore_weights=lambda: policy)
+    return RolloutPool(
+        model_path, replicas=args.replicas, ray_address=args.ray_address,
+        num_gpus_per_replica=gpus, pool_options=options, **engine_options(args),
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    from rollout import RolloutEngine
+    with checkpoint(args) as model_path:
+        policy = load_policy(model_path, args.trainer_device, args.trainer_dtype)
+        with make_engine(args, model_path, policy) as engine:
+            return train(args, engine, policy)
+
+
+def train(args: argparse.Namespace, engine: Any, policy: torch.nn.Module) -> dict:
     from rollout.weight_sync.sender import WeightSender
 
-    with (
-        checkpoint(args) as model_path,
-        RolloutEngine(model_path, **engine_options(args)) as engine,
-    ):
-        policy = load_policy(model_path, args.trainer_device, args.trainer_dtype)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-        sender = WeightSender(engine, method="tensor", bucket_bytes=args.bucket_mb << 20)
-        task = DigitTask(engine.tokenizer)
-        log = RunLog("grpo", vars(args), args.log_dir, use_wandb=not args.no_wandb)
-        token_loss = functools.partial(ppo_clip_loss, clip=args.clip)
-        version = engine.get_weight_version()
-        try:
-            for step in log.steps(args.steps):
-                prompts = task.prompts(args.prompts_per_step, step)
-                params = sampling_params(args, len(prompts), step)
-                outputs, rollout_s = generate_rollouts(engine, prompts, params, version)
-                batch = RolloutBatch.from_outputs(prompts, outputs, args.n, task.reward)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    sender = WeightSender(engine, method="tensor", bucket_bytes=args.bucket_mb << 20)
+    task = DigitTask(engine.tokenizer)
+    log = RunLog("grpo", vars(args), args.log_dir, use_wandb=not args.no_wandb)
+    token_loss = functools.partial(ppo_clip_loss, clip=args.clip)
+    version = engine.get_weight_version()
+    try:
+        for step in log.steps(args.steps):
+            prompts = task.prompts(args.prompts_per_step, step)
+            params = sampling_params(args, len(prompts), step)
+            outputs, rollout_s = generate_rollouts(engine, prompts, params, version)
+            batch = RolloutBatch.from_outputs(prompts, outputs, args.n, task.reward)
 
-                engine.release_memory_occupation()  # the training phase has the device to itself
-                gap = logprob_gap(policy, batch, args.micro_batch, args.trainer_device)
-                stats = optimize(policy, optimizer, batch, token_loss, args)
-                version = f"step-{step + 1}"
-                sync_s = push_weights(engine, sender, policy, version)
+            engine.release_memory_occupation()  # the training phase has the device to itself
+            gap = logprob_gap(policy, batch, args.micro_batch, args.trainer_device)
+            stats = optimize(policy, optimizer, batch, token_loss, args)
+            version = f"step-{step + 1}"
+            sync_s = push_weights(engine, sender, policy, version)
 
-                log.log(step + 1, {
-                    "reward": batch.rewards.mean().item(),
-                    "logprob_gap": gap,
-                    "weight_sync_s": sync_s,
-                    "rollout_tokens_per_s": batch.num_tokens / rollout_s,
-                    **stats,
-                })  # fmt: skip
-        finally:
-            sender.close()
-        return log.finish(weight_version=version)
+            log.log(step + 1, {
+                "reward": batch.rewards.mean().item(),
+                "logprob_gap": gap,
+                "weight_sync_s": sync_s,
+                "rollout_tokens_per_s": batch.num_tokens / rollout_s,
+                **stats,
+            })  # fmt: skip
+    finally:
+        sender.close()
+    return log.finish(weight_version=version)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,9 @@ class WeightSender:
         info = target.get_server_info()
         self.dtype = parse_dtype(info["dtype"])
         self.engine_model_path = info.get("model_path")
-        self.engine_ranks = info.get("tp_size", 1)  # each joins an update group
+        # Every rank of the target joins the update group: an engine's tensor-parallel ranks,
+        # or all the replicas' ranks of a RolloutPool.
+        self.engine_ranks = info.get("weight_group_ranks", info.get("tp_size", 1))
         self.group: UpdateGroup | None = None
         self._buckets: list[FlatBucket] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sender")

@@ -1,0 +1,121 @@
+"""Dispatcher: sends each part of a call to the replica the router picks, and retries a part
+whose replica died on another one, once.
+
+A retried answer carries meta_info["retried"] = True. A part whose retry fails too, or a stream
+that had already sent outputs when its replica died (its consumer has seen tokens that a
+fresh start would not repeat), fails with EngineDeadError naming what happened. When no
+replica serves, a part waits up to `wait_s` for one to come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rollout.engine.tokenizer_manager import EngineDeadError
+from rollout.generate_request import GenerateRequest
+from rollout.pool.replica import ReplicaDead
+from rollout.pool.requests import Part, join, mark_retried, split
+from rollout.pool.router import Route, Router
+from rollout.pool.supervisor import Supervisor
+
+
+class Dispatcher:
+    def __init__(self, supervisor: Supervisor, router: Router, wait_s: float) -> None:
+        self.supervisor = supervisor
+        self.router = router
+        self.wait_s = wait_s
+
+    async def generate(self, request: GenerateRequest) -> Any:
+        parts, joined = split(request)
+        if not joined:
+            return await self._run(parts[0])
+        tasks = [asyncio.ensure_future(self._run(p)) for p in parts]
+        try:
+            return join(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()  # the others are aborted on their replicas
+            raise
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        [part], _ = split(request)
+        failed: int | None = None
+        while True:
+            route = await self._route(part, avoid=failed)
+            replica = self.supervisor.replicas[route.replica]
+            sent = False
+            self.router.started(route.replica, part.tokens)
+            try:
+                async for out in replica.stream(part.request):
+                    sent = True
+                    yield mark_retried(out) if failed is not None else out
+                return
+            except ReplicaDead as e:
+                self.supervisor.mark_dead(route.replica, str(e))
+                if sent or failed is not None:
+                    raise EngineDeadError(_lost(e, sent, failed is not None)) from None
+                failed = route.replica
+            finally:
+                self.router.finished(route.replica, part.tokens)
+
+    async def _run(self, part: Part) -> Any:
+        failed: int | None = None
+        while True:
+            route = await self._route(part, avoid=failed)
+            self.router.started(route.replica, part.tokens)
+            try:
+                answer = await self.supervisor.replicas[route.replica].generate(part.request)
+            except ReplicaDead as e:
+                self.supervisor.mark_dead(route.replica, str(e))
+                if failed is not None:
+                    raise EngineDeadError(_lost(e, False, True)) from None
+                self.router.count(route.replica, "retried_elsewhere")
+                failed = route.replica
+                continue
+            finally:
+                self.router.finished(route.replica, part.tokens)
+            return mark_retried(answer) if failed is not None else answer
+
+    async def call_one(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """An engine method on one replica, the least loaded (encode, classify, score, reads
+        of the weights): retried once elsewhere if that replica dies."""
+        failed: int | None = None
+        while True:
+            serving = await self.supervisor.wait_serving(self.wait_s)
+            choice = [i for i in serving if i != failed] or serving
+            i = min(choice, key=lambda j: self.router.counters[j].load_tokens)
+            try:
+                return await self.supervisor.replicas[i].call(method, *args, **kwargs)
+            except ReplicaDead as e:
+                self.supervisor.mark_dead(i, str(e))
+                if failed is not None:
+                    raise EngineDeadError(_lost(e, False, True)) from None
+                failed = i
+
+    async def _route(self, part: Part, avoid: int | None) -> Route:
+        serving = await self.supervisor.wait_serving(self.wait_s)
+        others = [i for i in serving if i != avoid]
+        return self.router.route(part.key, others or serving, part.rid)
+
+    async def abort(self, rid: str | None, abort_all: bool) -> None:
+        """abort_request: to the replica the rid went to, or to every serving one."""
+        pinned = None if abort_all or rid is None else self.router.pinned_replica(rid)
+        serving = self.supervisor.serving()
+        targets = [pinned] if pinned in serving else serving
+        results = await asyncio.gather(
+            *(self.supervisor.replicas[i].call("abort_request", rid, abort_all) for i in targets),
+            return_exceptions=True,
+        )
+        for i, result in zip(targets, results):
+            if isinstance(result, ReplicaDead):
+                self.supervisor.mark_dead(i, str(result))
+            elif isinstance(result, BaseException):
+                raise result
+
+
+def _lost(error: Exception, sent: bool, retried: bool) -> str:
+    if sent:
+        return f"{error} while streaming this request (outputs were already sent; not retried)"
+    return f"{error}; this request had already been retried once after another replica died"

@@ -1,0 +1,107 @@
+"""Retries of the pool's dispatcher on fake replicas (no Ray, no engines): a request whose
+replica dies runs once more elsewhere and says so; a second death, or a death after a stream
+sent outputs, fails clearly; refusals are never retried."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from rollout.engine.tokenizer_manager import EngineDeadError
+from rollout.errors import InvalidRequest
+from rollout.generate_request import GenerateRequest
+from rollout.pool.dispatch import Dispatcher
+from rollout.pool.replica import Replica, ReplicaDead
+from rollout.pool.router import Router
+from rollout.pool.supervisor import Supervisor
+
+
+class FakeReplica(Replica):
+    restartable = False  # stays down: the tests look at what happened to the requests
+
+    def __init__(self, index: int, fate: str = "serve") -> None:
+        self.index, self.name, self.fate = index, f"replica {index}", fate
+        self.served: list[Any] = []
+
+    async def start(self) -> dict:
+        return {}
+
+    async def generate(self, request: GenerateRequest) -> Any:
+        if self.fate == "die":
+            raise ReplicaDead(f"{self.name} died")
+        if self.fate == "refuse":
+            raise InvalidRequest("top_p must be in (0, 1]")
+        self.served.append(request.input_ids)
+        return [{"output_ids": [self.index], "meta_info": {}}]
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        yield {"output_ids": [self.index], "meta_info": {}}
+        if self.fate == "die":
+            raise ReplicaDead(f"{self.name} died")
+
+    async def alive(self) -> bool:
+        return self.fate != "die"
+
+    async def stop(self) -> None:
+        pass
+
+
+def _dispatcher(*fates: str) -> tuple[list[FakeReplica], Supervisor, Dispatcher]:
+    replicas = [FakeReplica(i, fate) for i, fate in enumerate(fates)]
+    router = Router(len(replicas))
+    sup = Supervisor(replicas, router, health_check_s=0)
+    return replicas, sup, Dispatcher(sup, router, wait_s=0.5)
+
+
+def test_a_request_whose_replica_dies_is_retried_once_elsewhere():
+    async def run() -> None:
+        replicas, sup, dispatcher = _dispatcher("die", "serve")
+        await sup.start_all()
+        request = GenerateRequest(input_ids=[[1, 2], [3, 4], [5, 6]])
+        outs = await dispatcher.generate(request)
+        assert [o["output_ids"] for o in outs] == [[1]] * 3  # all answered, in order
+        assert [o["meta_info"].get("retried", False) for o in outs] == [True, False, False]
+        assert sup.state[0] != "serving" and replicas[1].served == [[[1, 2]], [[3, 4]], [[5, 6]]]
+        stats = dispatcher.router.stats()
+        assert stats[0]["deaths"] == 1 and stats[0]["retried_elsewhere"] == 1
+
+    asyncio.run(run())
+
+
+def test_a_second_death_or_no_replica_fails_clearly():
+    async def run() -> None:
+        _, sup, dispatcher = _dispatcher("die", "die")
+        await sup.start_all()
+        with pytest.raises(EngineDeadError, match="already been retried once"):
+            await dispatcher.generate(GenerateRequest(input_ids=[1, 2]))
+        with pytest.raises(EngineDeadError, match="no replica of the pool is serving"):
+            await dispatcher.generate(GenerateRequest(input_ids=[1, 2]))
+
+    asyncio.run(run())
+
+
+def test_a_stream_that_already_sent_outputs_is_not_retried():
+    async def run() -> None:
+        _, sup, dispatcher = _dispatcher("die", "serve")
+        await sup.start_all()
+        seen = []
+        with pytest.raises(EngineDeadError, match="outputs were already sent"):
+            async for out in dispatcher.stream(GenerateRequest(input_ids=[1, 2], stream=True)):
+                seen.append(out)
+        assert len(seen) == 1
+
+    asyncio.run(run())
+
+
+def test_a_refusal_is_raised_as_it_is_and_not_retried():
+    async def run() -> None:
+        replicas, sup, dispatcher = _dispatcher("refuse", "serve")
+        await sup.start_all()
+        with pytest.raises(InvalidRequest, match="top_p"):
+            await dispatcher.generate(GenerateRequest(input_ids=[1, 2]))
+        assert replicas[1].served == [] and sup.serving() == [0, 1]
+
+    asyncio.run(run())
