@@ -1,0 +1,160 @@
+"""LoRA expand: out[t] += scale[slot[t]] * y[t] @ B[slot[t]]^T for the rows that use an adapter.
+
+One launch serves a whole projection group: the fused QKV (or gate/up) output is the columns
+of its projections side by side, each with its own B rows, its own shrunk columns of y and its
+own scale. B is [slots, N, R]: the B of every projection stacked along N exactly as the
+group's output columns are, R the largest rank; part p reads y's columns p*R .. p*R + rank.
+Only an adapter's first `rank` columns of B are read. y is the shrink's float32 partial sums,
+[split_k, T, parts x R], added here as they are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rollout_kernels.lora_segments import LoraSegments, segment_rows
+from rollout_kernels.precision import dot_precision
+
+
+@dataclass(frozen=True)
+class OutputParts:
+    """The output columns of each projection of a group: part p is columns
+    offsets[p] .. offsets[p + 1]. `offsets` lives on the device, made once per layer."""
+
+    sizes: tuple[int, ...]
+    offsets: torch.Tensor  # [P + 1] int32
+
+    @classmethod
+    def make(cls, sizes: Sequence[int], device: torch.device | str) -> OutputParts:
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        return cls(tuple(sizes), torch.tensor(bounds, dtype=torch.int32, device=device))
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr, b_ptr, out_ptr, ranks_ptr, scales_ptr, offsets_ptr,
+    order_ptr, seg_start_ptr, seg_len_ptr, block_end_ptr,
+    R, SPLIT_K,
+    stride_ys, stride_ym, stride_bs, stride_bn, stride_om, stride_ss,
+    NUM_SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    pid_m, part, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot, tokens, rmask = segment_rows(
+        block_end_ptr, seg_start_ptr, seg_len_ptr, order_ptr, pid_m, NUM_SLOTS, SLOTS_PAD, BLOCK_M
+    )
+    n0 = tl.load(offsets_ptr + part) + pid_n * BLOCK_N
+    n1 = tl.load(offsets_ptr + part + 1)
+    if (slot >= NUM_SLOTS) | (n0 >= n1):
+        return
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < n1
+    rank = tl.load(ranks_ptr + slot)
+    rs = tl.arange(0, BLOCK_R)
+    y_rows = y_ptr + tokens[:, None].to(tl.int64) * stride_ym + part * R
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        in_rank = r0 + rs < rank
+        y = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+        for split in range(SPLIT_K):
+            y += tl.load(
+                y_rows + split * stride_ys + (r0 + rs)[None, :],
+                mask=rmask[:, None] & in_rank[None, :],
+                other=0.0,
+            )
+        b_t = tl.load(
+            b_base + (r0 + rs)[:, None], mask=in_rank[:, None] & cmask[None, :], other=0.0
+        )  # [BLOCK_R, BLOCK_N]: B's rows as columns
+        acc += tl.dot(y.to(b_t.dtype), b_t, input_precision=DOT_PRECISION)
+    scale = tl.load(scales_ptr + slot * stride_ss + part)
+    ptrs = out_ptr + tokens[:, None].to(tl.int64) * stride_om + cols[None, :]
+    mask = rmask[:, None] & cmask[None, :]
+    base = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (base + acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_expand(
+    y: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    segments: LoraSegments,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    parts: OutputParts,
+    block_n: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """y: [split_k, T, P x R] float32 (lora_shrink's result); b: [S, N, R] with its last dim
+    contiguous; out: [T, N] in b's dtype, last dim contiguous, added to in place and returned;
+    ranks: [S] int32; scales: [S, P] float32; parts: the P column ranges of out (summing to N).
+    Rows of base-only tokens are left as they are."""
+    s, n, r = b.shape
+    split_k, t = y.shape[:2]
+    p = len(parts.sizes)
+    if (
+        y.shape[2] != p * r
+        or out.shape != (t, n)
+        or sum(parts.sizes) != n
+        or ranks.shape != (s,)
+        or scales.shape != (s, p)
+        or segments.num_slots != s
+        or segments.num_tokens != t
+    ):
+        raise ValueError(
+            f"lora_expand needs y [split, T, P x R], b [S, N, R], out [T, N], ranks [S], "
+            f"scales [S, P], parts summing to N and segments of T rows and S slots; got y "
+            f"{tuple(y.shape)}, b {tuple(b.shape)}, out {tuple(out.shape)}, ranks "
+            f"{tuple(ranks.shape)}, scales {tuple(scales.shape)}, parts {parts.sizes}, segments "
+            f"of {segments.num_tokens} rows and {segments.num_slots} slots"
+        )
+    if y.dtype != torch.float32 or y.stride(-1) != 1:
+        raise ValueError("lora_expand needs y as lora_shrink returns it: float32, contiguous")
+    if out.stride(-1) != 1 or b.stride(-1) != 1 or scales.stride(-1) != 1:
+        raise ValueError("lora_expand needs the last dim of out, b and scales contiguous")
+    if t == 0:
+        return out
+    block_r = min(64, max(16, triton.next_power_of_2(r)))
+    grid = (segments.grid_blocks(), p, triton.cdiv(max(parts.sizes), block_n))
+    _lora_expand_kernel[grid](
+        y, b, out, ranks, scales, parts.offsets,
+        segments.order, segments.seg_start, segments.seg_len, segments.block_end,
+        r, split_k,
+        y.stride(0), y.stride(1), b.stride(0), b.stride(1), out.stride(0), scales.stride(0),
+        NUM_SLOTS=s, SLOTS_PAD=triton.next_power_of_2(s), DOT_PRECISION=dot_precision(b.dtype),
+        BLOCK_M=segments.block_m, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def lora_expand_reference(
+    y: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    slots: torch.Tensor,
+    scales: torch.Tensor,
+    part_sizes: Sequence[int],
+    ranks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch reference, out of place: out + the delta, computed in float32 from y [T, P x
+    R] (the summed shrink). With `ranks`, B's columns past a slot's rank count as zeros."""
+    r = b.shape[2]
+    delta = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for s in range(b.shape[0]):
+        rows = slots == s
+        b_s = b[s].float()
+        if ranks is not None:
+            b_s = b_s * (torch.arange(r, device=b.device) < ranks[s])
+        start = 0
+        for p, size in enumerate(part_sizes):
+            y_p = y[rows, p * r : (p + 1) * r].float()
+            delta[rows, start : start + size] = scales[s, p] * (y_p @ b_s[start : start + size].T)
+            start += size
+    return (out.float() + delta).to(out.dtype)

@@ -1,0 +1,100 @@
+"""The batch layout both LoRA kernels read: token rows grouped by adapter slot.
+
+A forward batch mixes rows of several adapters and base-only rows in any order. Instead of
+moving rows, the kernels read them through `order`, the row indices sorted by slot, and give
+each program BLOCK_M rows of one slot: slot s owns order[seg_start[s] : seg_start[s] +
+seg_len[s]] and blocks block_end[s] - cdiv(seg_len[s], BLOCK_M) .. block_end[s] - 1 of the
+grid. Base-only rows sort last and get no block. Every tensor here has a size fixed by the
+number of rows and of slots, and is built by device ops alone: no host sync, so it can be made
+inside or outside a CUDA graph, into buffers a captured graph reads.
+
+A grid of cdiv(T, BLOCK_M) + S blocks always covers every slot's blocks (each slot wastes at
+most one partly filled block); the programs past block_end[S - 1] return at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # rows per program: tl.dot's smallest tile
+
+
+@dataclass(frozen=True)
+class LoraSegments:
+    """Token rows grouped by adapter slot (see the module docstring); int32 device tensors."""
+
+    order: torch.Tensor  # [T]: row indices, sorted by slot (stable), base-only rows last
+    seg_start: torch.Tensor  # [S]: where each slot's rows start in `order`
+    seg_len: torch.Tensor  # [S]: how many rows each slot has
+    block_end: torch.Tensor  # [S]: cumulative sum of cdiv(seg_len, block_m)
+    block_m: int = BLOCK_M
+
+    @property
+    def num_tokens(self) -> int:
+        return self.order.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.seg_len.shape[0]
+
+    def grid_blocks(self) -> int:
+        """Program blocks along the rows that cover every slot's rows, whatever the slots."""
+        return triton.cdiv(self.num_tokens, self.block_m) + self.num_slots
+
+
+def lora_segments(
+    slots: torch.Tensor, num_slots: int, block_m: int = BLOCK_M, out: LoraSegments | None = None
+) -> LoraSegments:
+    """slots: [T] int, each row's adapter slot in [0, num_slots), anything else (-1) for a
+    base-only row. Returns the layout, written into `out`'s tensors when given (their shapes
+    must be [T] and [num_slots]: persistent buffers that a CUDA graph reads)."""
+    t = slots.shape[0]
+    key = slots.long()
+    key = torch.where((key < 0) | (key >= num_slots), num_slots, key)
+    order = torch.argsort(key, stable=True)
+    # scatter_add, not bincount: bincount's output size depends on the values (a host sync).
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    seg_len = counts[:num_slots]
+    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    block_end = torch.cumsum((seg_len + block_m - 1) // block_m, 0)
+    if out is None:
+        out = LoraSegments(
+            torch.empty(t, dtype=torch.int32, device=slots.device),
+            *(torch.empty(num_slots, dtype=torch.int32, device=slots.device) for _ in range(3)),
+            block_m=block_m,
+        )
+    if out.num_tokens != t or out.num_slots != num_slots or out.block_m != block_m:
+        raise ValueError(
+            f"lora_segments: out holds {out.num_tokens} rows, {out.num_slots} slots and blocks of "
+            f"{out.block_m}; this batch needs {t}, {num_slots} and {block_m}"
+        )
+    out.order.copy_(order)
+    out.seg_start.copy_(seg_start)
+    out.seg_len.copy_(seg_len)
+    out.block_end.copy_(block_end)
+    return out
+
+
+@triton.jit
+def segment_rows(
+    block_end_ptr, seg_start_ptr, seg_len_ptr, order_ptr, pid,
+    NUM_SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """(slot, token rows [BLOCK_M], row mask) of program block `pid`; slot == NUM_SLOTS when
+    the block has no rows (the caller returns)."""
+    ss = tl.arange(0, SLOTS_PAD)
+    ends = tl.load(block_end_ptr + ss, mask=ss < NUM_SLOTS, other=2**30)
+    # block_end is non-decreasing: the slot of block `pid` is the first whose end is past it.
+    slot = tl.sum((ends <= pid).to(tl.int32))
+    safe = tl.minimum(slot, NUM_SLOTS - 1)
+    length = tl.load(seg_len_ptr + safe)
+    first_block = tl.load(block_end_ptr + safe) - tl.cdiv(length, BLOCK_M)
+    rows = (pid - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < tl.where(slot < NUM_SLOTS, length, 0)
+    tokens = tl.load(order_ptr + tl.load(seg_start_ptr + safe) + rows, mask=rmask, other=0)
+    return slot, tokens, rmask

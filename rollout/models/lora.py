@@ -1,0 +1,214 @@
+"""LoRA serving: a fixed number of adapter slots on a model's projections.
+
+`AdapterSlots(model, ...)` gives every targeted linear layer of the model a LoraLayer (A and B
+buffers for `max_loras_per_batch` slots, this rank's slices under tensor parallelism) and
+keeps which named adapter sits in which slot. Loading copies an adapter into a free slot;
+unloading zeroes it. A forward batch mixes rows of any loaded adapters with base-only rows:
+the runner says which slot each token row uses before the forward (`prepare_batch`, or
+`batch.prepare` with the token slots), and each layer adds its rows' deltas.
+
+How a layer applies it (the wiring in rollout.models.layers): a Linear has an attribute
+`lora` (None until AdapterSlots sets it), and adds the delta to its output before any
+all-reduce:
+
+    out = linear(x, self.weight, bias, self.skinny_rows)
+    if self.lora is not None:
+        self.lora.apply(x, out)  # x: this layer's input (this rank's slice when row-parallel)
+    return out                   # RowParallelLinear: self.tp.all_reduce(out)
+
+Writing a slot is not atomic with respect to a forward: the engine loads, replaces and unloads
+adapters between steps, never while a batch that uses the slot is running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from rollout.models.layers import MergedLinear, RowParallelLinear
+from rollout.models.lora_adapter import (
+    LORA_MODULES,
+    AdapterError,
+    LoraAdapter,
+    read_peft_adapter,
+    resolve_target_modules,
+)
+from rollout.models.lora_layer import LoraBatch, LoraLayer
+
+# Token rows the batch buffers hold in place: at least the largest CUDA-graph batch.
+DEFAULT_MAX_TOKENS = 1024
+
+
+def lora_module_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """HF module name ("model.layers.0.self_attn.q_proj") -> the full (out, in) of every
+    projection of `model` that LoRA can change, whatever this rank holds of it."""
+    shapes = {}
+    for hf_name, (shape, _) in model.hf_param_shapes().items():
+        module, _, kind = hf_name.rpartition(".")
+        if kind == "weight" and module.rsplit(".", 1)[-1] in LORA_MODULES:
+            shapes[module] = (shape[0], shape[1])
+    return shapes
+
+
+class AdapterSlots:
+    """Named LoRA adapters in `max_loras_per_batch` fixed slots of `model`'s projections
+    among `target_modules`, of rank up to `max_lora_rank`. With `use_kernels` the layers run
+    the Triton kernels (rollout_kernels.lora_shrink / lora_expand), else torch ops."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_loras_per_batch: int,
+        max_lora_rank: int,
+        target_modules: str | Sequence[str] = "all",
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        use_kernels: bool = False,
+    ) -> None:
+        if max_loras_per_batch < 1 or max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras_per_batch and max_lora_rank must be >= 1, got "
+                f"{max_loras_per_batch} and {max_lora_rank}"
+            )
+        self.num_slots, self.max_rank = max_loras_per_batch, max_lora_rank
+        self.target_modules = resolve_target_modules(target_modules)
+        self.module_shapes = lora_module_shapes(model)
+        weight = next(model.parameters())
+        self.batch = LoraBatch(max_loras_per_batch, max_tokens, weight.device, use_kernels)
+        self.layers: dict[str, LoraLayer] = {}  # model module name -> its slots
+        self._targets: dict[str, tuple[LoraLayer, str]] = {}  # HF module -> (layer, part)
+        self._slots: dict[str, int] = {}  # adapter name -> slot
+        taken = [n for n, m in model.named_modules() if getattr(m, "lora", None) is not None]
+        if taken:
+            raise ValueError(f"{taken[0]} already has LoRA slots: detach them first")
+        for name, module in model.named_modules():
+            self._attach(name, module)
+
+    def _attach(self, name: str, module: nn.Module) -> None:
+        parent = name.rpartition(".")[0]
+        if isinstance(module, MergedLinear):
+            hf = {f"{parent}.{part}": part for part in module.parts}
+            a_shard, b_shards = None, module.part_shards
+            sizes = dict(module.parts)
+        elif isinstance(module, RowParallelLinear):
+            part = name.rsplit(".", 1)[-1]
+            hf, a_shard, b_shards = {name: part}, module.hf_shards["weight"], None
+            sizes = {part: module.out_features}
+        else:
+            return
+        if not set(hf.values()) & self.target_modules:
+            return
+        layer = LoraLayer(
+            sizes,
+            module.in_features,
+            self.max_rank,
+            self.batch,
+            module.weight.dtype,
+            module.weight.device,
+            a_shard,
+            b_shards,
+        )
+        module.lora = layer
+        self.layers[name] = layer
+        for hf_module, part in hf.items():
+            if part in self.target_modules:
+                self._targets[hf_module] = (layer, part)
+
+    @property
+    def loaded(self) -> dict[str, int]:
+        """Adapter name -> slot, for every loaded adapter."""
+        return dict(self._slots)
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the slots take."""
+        return sum(layer.nbytes for layer in self.layers.values())
+
+    def slot_of(self, name: str) -> int:
+        """The slot of adapter `name`; AdapterError when none of that name is loaded."""
+        if name not in self._slots:
+            loaded = ", ".join(sorted(self._slots)) or "none"
+            raise AdapterError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
+        return self._slots[name]
+
+    def read(self, path: str, roots: Sequence[str] | None = None) -> LoraAdapter:
+        """Reads and checks the PEFT adapter in directory `path` against this model."""
+        adapter = read_peft_adapter(path, self.module_shapes, self.max_rank, roots)
+        self.check(adapter)
+        return adapter
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """AdapterError unless `adapter` fits these slots: rank, projections, shapes."""
+        if adapter.rank > self.max_rank:
+            raise AdapterError(f"rank {adapter.rank} is above max_lora_rank {self.max_rank}")
+        extra = adapter.projections - self.target_modules
+        if extra:
+            raise AdapterError(
+                f"the adapter changes {', '.join(sorted(extra))}, which lora_target_modules "
+                f"({', '.join(sorted(self.target_modules))}) does not include"
+            )
+        for module, (a, b) in adapter.modules.items():
+            want = self.module_shapes.get(module)
+            got = (b.shape[0], a.shape[1])
+            if want != got or a.shape[0] != adapter.rank or b.shape[1] != adapter.rank:
+                raise AdapterError(
+                    f"{module}: A {list(a.shape)} and B {list(b.shape)} do not fit the "
+                    f"model's projection {want} at rank {adapter.rank}"
+                )
+
+    def load(self, name: str, adapter: LoraAdapter) -> int:
+        """Copies `adapter` into a free slot under `name` (or over the slot `name` already
+        has: a new version of it) and returns the slot. Checked before any slot changes:
+        AdapterError, and nothing loaded, when it does not fit or every slot is taken."""
+        self.check(adapter)
+        slot = self._slots.get(name)
+        if slot is None:
+            free = sorted(set(range(self.num_slots)) - set(self._slots.values()))
+            if not free:
+                raise AdapterError(
+                    f"all {self.num_slots} LoRA slots (max_loras_per_batch) are in use by "
+                    f"{', '.join(sorted(self._slots))}: unload one first"
+                )
+            slot = free[0]
+        self._clear(slot)
+        for module, (a, b) in adapter.modules.items():
+            layer, part = self._targets[module]
+            layer.write(slot, part, a, b, adapter.scale)
+        self.batch.ranks[slot] = adapter.rank
+        self._slots[name] = slot
+        self._publish()
+        return slot
+
+    def load_path(self, name: str, path: str, roots: Sequence[str] | None = None) -> int:
+        """`load(name, read(path, roots))`."""
+        return self.load(name, self.read(path, roots))
+
+    def unload(self, name: str) -> None:
+        """Frees the slot of adapter `name` (zeroed: a row still pointing at it adds nothing).
+        AdapterError when none of that name is loaded."""
+        slot = self.slot_of(name)
+        del self._slots[name]
+        self._clear(slot)
+        self._publish()
+
+    def detach(self, model: nn.Module) -> None:
+        """Takes the slots off `model`'s layers: it computes the base model only again."""
+        for name in self.layers:
+            model.get_submodule(name).lora = None
+
+    def _clear(self, slot: int) -> None:
+        for layer in self.layers.values():
+            layer.clear(slot)
+        self.batch.ranks[slot] = 0
+
+    def _publish(self) -> None:
+        self.batch.live_slots = tuple(sorted(self._slots.values()))
+
+    def prepare_batch(self, adapters: Sequence[str | None], extend_lens: Sequence[int]) -> None:
+        """Prepares the next forward from each request's adapter name (None: the base model)
+        and its number of new tokens, in batch order. AdapterError for a name not loaded."""
+        slots = [-1 if name is None else self.slot_of(name) for name in adapters]
+        self.batch.prepare_requests(slots, extend_lens)
+
+
+__all__ = ["AdapterError", "AdapterSlots", "LoraAdapter", "lora_module_shapes"]

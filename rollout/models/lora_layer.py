@@ -1,0 +1,175 @@
+"""The adapter slots of one linear layer, and the per-forward state every such layer reads.
+
+A LoraLayer holds fixed-size A and B buffers for every slot of one linear layer of the model:
+a projection group (the fused QKV, gate/up) or a single projection (o_proj, down_proj).
+`apply` adds each token row's adapter delta to the layer's output, in place; rows of slot -1
+(base only) are left alone. Everything a forward reads lives in buffers allocated once, so a
+CUDA graph captured with LoRA replays any later mix of adapters.
+
+Tensor parallelism: a column-parallel layer (QKV, gate/up) keeps A whole and this rank's rows
+of B, and its delta is this rank's columns of the output. A row-parallel layer (o_proj,
+down_proj) keeps this rank's input columns of A and B whole; its delta from this rank's slice
+of the input is a partial sum, added before the layer's all-reduce, which sums it with the
+base output's partials (x @ A^T is linear in the input slices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rollout.forward.tensor_parallel import Shard
+from rollout.models.layers import kernel
+
+
+class LoraBatch:
+    """What every LoraLayer reads in one forward: the adapter slot of each token row (-1: base
+    only) and the rank of each slot. Set by the model runner before each forward (`prepare`).
+
+    Buffers for up to `max_tokens` rows are allocated once and rewritten in place, so that a
+    CUDA graph captured over them replays any later batch of as many rows; a larger batch
+    (a long prefill, which runs eagerly) gets fresh tensors for its forward.
+    """
+
+    def __init__(
+        self, num_slots: int, max_tokens: int, device: torch.device | str, use_kernels: bool
+    ) -> None:
+        self.num_slots = num_slots
+        self.use_kernels = use_kernels  # the Triton kernels, else torch ops
+        self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)  # [S]
+        self.live_slots: tuple[int, ...] = ()  # slots holding an adapter (host copy)
+        self._slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self._segments = None  # LoraSegments over max_tokens rows, once the kernels are used
+        self.slots = self._slots[:0]  # [T]: this forward's rows
+        self.segments = None  # this forward's LoraSegments (kernel path)
+        self.active = False  # False: no row of this forward uses an adapter; layers skip
+
+    def prepare(self, token_slots: torch.Tensor, active: bool = True) -> None:
+        """token_slots: [T] int, the slot of each row of the next forward (-1 base only), on
+        any device. With `active` False the layers add nothing (the runner knows, on the host,
+        that no row uses an adapter). A CUDA graph must be captured with `active` True: the
+        layers it captures then run for every replay, whatever its rows use."""
+        t = token_slots.shape[0]
+        persistent = t <= self._slots.shape[0]
+        slots = self._slots[:t] if persistent else self._slots.new_empty(t)
+        slots.copy_(token_slots, non_blocking=True)
+        self.slots, self.active = slots, active
+        if self.use_kernels:
+            self.segments = self._build_segments(slots, persistent)
+
+    def prepare_requests(self, req_slots: Sequence[int], extend_lens: Sequence[int]) -> None:
+        """The same from per-request slots and new-token counts (host lists, in batch order)."""
+        rows = torch.tensor(req_slots, dtype=torch.int32).repeat_interleave(
+            torch.tensor(extend_lens, dtype=torch.int64)
+        )
+        self.prepare(rows, any(s >= 0 for s in req_slots))
+
+    def _build_segments(self, slots: torch.Tensor, persistent: bool):
+        segments_module = kernel("lora_segments")
+        if not persistent:
+            return segments_module.lora_segments(slots, self.num_slots)
+        if self._segments is None:
+            self._segments = segments_module.lora_segments(self._slots, self.num_slots)
+        full, t = self._segments, slots.shape[0]
+        views = segments_module.LoraSegments(
+            full.order[:t], full.seg_start, full.seg_len, full.block_end, full.block_m
+        )
+        return segments_module.lora_segments(slots, self.num_slots, out=views)
+
+
+class LoraLayer:
+    """A and B of every adapter slot for one linear layer whose output is the projections
+    `part_sizes` (this rank's output rows of each, in order) side by side."""
+
+    def __init__(
+        self,
+        part_sizes: dict[str, int],
+        in_features: int,
+        max_rank: int,
+        batch: LoraBatch,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        a_shard: Shard | None = None,
+        b_shards: dict[str, Shard | None] | None = None,
+    ) -> None:
+        s, p, r = batch.num_slots, len(part_sizes), max_rank
+        self.batch = batch
+        self.part_names = tuple(part_sizes)
+        self.a_shard = a_shard  # this rank's input columns of A (row-parallel layers)
+        self.b_shards = dict(b_shards or {})  # this rank's output rows of each B (column-parallel)
+        self.part_rows, start = [], 0
+        for size in part_sizes.values():
+            self.part_rows.append((start, size))
+            start += size
+        self.a = torch.zeros(s, p, r, in_features, dtype=dtype, device=device)  # [S, P, R, in]
+        self.b = torch.zeros(s, start, r, dtype=dtype, device=device)  # [S, out, R]
+        self.scales = torch.zeros(s, p, dtype=torch.float32, device=device)  # [S, P]
+        bounds = [0] + [first + size for first, size in self.part_rows]
+        self.part_offsets = torch.tensor(bounds, dtype=torch.int32, device=device)  # [P + 1]
+        self._parts = None  # the kernels' OutputParts, made on first use
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a, self.b, self.scales))
+
+    def write(self, slot: int, part: str, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """Copies projection `part`'s full checkpoint-shaped A [r, in] and B [out, r] (this
+        rank's slices of them) into `slot`, zero past rank r."""
+        p = self.part_names.index(part)
+        first, size = self.part_rows[p]
+        a = a if self.a_shard is None else self.a_shard.take(a)
+        shard = self.b_shards.get(part)
+        b = b if shard is None else shard.take(b)
+        r = a.shape[0]
+        self.a[slot, p].zero_()
+        self.a[slot, p, :r].copy_(a)
+        rows = self.b[slot, first : first + size]
+        rows.zero_()
+        rows[:, :r].copy_(b)
+        self.scales[slot, p] = scale
+
+    def clear(self, slot: int) -> None:
+        """Zeroes `slot`: its rows then add nothing."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.scales[slot].zero_()
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x: [T, in] the layer's input (this rank's slice of it for a row-parallel layer);
+        out: [T, out] its output before any all-reduce. Adds every row's adapter delta to out
+        in place and returns it; the rows are those of the batch's last `prepare`."""
+        batch = self.batch
+        if not batch.active:
+            return out
+        if x.shape[0] != batch.slots.shape[0]:
+            raise ValueError(
+                f"LoRA batch prepared for {batch.slots.shape[0]} rows, the layer got "
+                f"{x.shape[0]}: call prepare() with this forward's token slots first"
+            )
+        if batch.use_kernels:
+            return self._apply_kernels(x, out)
+        return self._apply_torch(x, out)
+
+    def _apply_torch(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        # Each live slot over all rows, masked: no host sync and no data-dependent shapes,
+        # at the cost of computing every slot's delta for every row.
+        s, p, r, k = self.a.shape
+        for slot in self.batch.live_slots:
+            rows = (self.batch.slots == slot).to(x.dtype)[:, None]
+            y = (x @ self.a[slot].reshape(p * r, k).T) * rows  # [T, P x R]
+            for i, (first, size) in enumerate(self.part_rows):
+                b = self.b[slot, first : first + size]  # [size, R]
+                delta = (y[:, i * r : (i + 1) * r] @ b.T) * self.scales[slot, i]
+                out[:, first : first + size] += delta
+        return out
+
+    def _apply_kernels(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        s, p, r, k = self.a.shape
+        expand = kernel("lora_expand")
+        if self._parts is None:
+            sizes = tuple(size for _, size in self.part_rows)
+            self._parts = expand.OutputParts(sizes, self.part_offsets)
+        segments, ranks = self.batch.segments, self.batch.ranks
+        y = kernel("lora_shrink").lora_shrink(x, self.a.view(s, p * r, k), segments, ranks, r)
+        return expand.lora_expand(y, self.b, out, segments, ranks, self.scales, self._parts)

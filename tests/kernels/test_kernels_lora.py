@@ -1,0 +1,178 @@
+"""The LoRA shrink and expand kernels against torch, on batches that mix base-only rows with
+rows of three adapters of different ranks (and an empty slot); the layer's kernel path
+against its torch path; on a GPU, a CUDA graph replaying other mixes of adapters.
+
+bfloat16 runs on a GPU only: Triton's interpreter multiplies bfloat16 tiles wrongly (tl.dot)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rollout.models.lora_layer import LoraBatch, LoraLayer  # noqa: E402
+from rollout_kernels.lora_expand import OutputParts, lora_expand, lora_expand_reference  # noqa: E402
+from rollout_kernels.lora_segments import lora_segments  # noqa: E402
+from rollout_kernels.lora_shrink import lora_shrink, lora_shrink_reference  # noqa: E402
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+RANKS = [8, 16, 4, 0]  # slots 0..2 hold adapters of these ranks; slot 3 is empty
+R = 16  # max rank
+K = 96  # input features: not a multiple of the K tile
+
+
+def tol(dtype: torch.dtype) -> dict:
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+
+
+def mixed_slots(t: int, seed: int) -> torch.Tensor:
+    """Rows of adapters 0, 1, 2 and base-only rows (-1, and 9: outside the slots) shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.tensor([-1, 0, 1, 2, 9])[torch.randint(0, 5, (t,), generator=gen)]
+
+
+def random_weights(parts: int, out: int, dtype, device, seed: int = 0):
+    """A [S, parts x R, K] and B [S, out, R] with garbage past each slot's rank: the kernels
+    must not read it (the references mask it)."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(len(RANKS), parts * R, K, generator=gen) / K**0.5
+    b = torch.randn(len(RANKS), out, R, generator=gen) / R**0.5
+    return a.to(device, dtype), b.to(device, dtype)
+
+
+def test_segments_group_each_slots_rows_in_order(device):
+    slots = mixed_slots(50, seed=0).to(device)
+    seg = lora_segments(slots, num_slots=4, block_m=16)
+    order = seg.order.tolist()
+    blocks = 0
+    for s in range(4):
+        start, length = seg.seg_start[s].item(), seg.seg_len[s].item()
+        assert order[start : start + length] == (slots == s).nonzero().flatten().tolist()
+        blocks += -(-length // 16)
+        assert seg.block_end[s].item() == blocks
+    assert seg.grid_blocks() >= blocks
+    base = [i for i, s in enumerate(slots.tolist()) if s not in (0, 1, 2, 3)]
+    assert order[len(order) - len(base) :] == base  # base-only rows last, in order
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "split_k"), [(1, 2), (5, None), (40, 1), (40, 3)])
+def test_shrink_matches_torch(device, dtype, rows, split_k):
+    slots = mixed_slots(rows, seed=rows).to(device)
+    slots[0] = 1  # at least one adapter row
+    ranks = torch.tensor(RANKS, dtype=torch.int32, device=device)
+    a, _ = random_weights(3, 8, dtype, device)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    y = lora_shrink(x, a, lora_segments(slots, 4), ranks, rank_stride=R, split_k=split_k)
+    want = lora_shrink_reference(x, a, slots, ranks, R)
+    used = (slots >= 0) & (slots < 4)
+    assert y.dtype == torch.float32 and y.shape[1:] == (rows, 3 * R)
+    torch.testing.assert_close(y.sum(0)[used], want[used], **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes", [(40,), (64, 16, 16), (24, 72)])
+def test_expand_matches_torch_for_one_projection_or_a_group(device, dtype, sizes):
+    rows, p, n = 37, len(sizes), sum(sizes)
+    slots = mixed_slots(rows, seed=p).to(device)
+    ranks = torch.tensor(RANKS, dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(2)
+    _, b = random_weights(p, n, dtype, device)
+    y = torch.randn(2, rows, p * R, generator=gen).to(device)  # two split-K partials
+    scales = torch.rand(len(RANKS), p, generator=gen).to(device)
+    out = torch.randn(rows, n, generator=gen).to(device, dtype)
+    want = lora_expand_reference(y.sum(0), b, out, slots, scales, sizes, ranks)
+    got = lora_expand(
+        y, b, out.clone(), lora_segments(slots, 4), ranks, scales, OutputParts.make(sizes, device)
+    )
+    torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
+    base = (slots < 0) | (slots >= 4)
+    assert torch.equal(got[base], out[base])  # base-only rows untouched
+
+
+def lora_layers(sizes: dict[str, int], in_features: int, dtype, device, max_tokens: int = 64):
+    """Two LoraLayers with the same three adapters: one on the kernels, one on torch ops."""
+    gen = torch.Generator().manual_seed(3)
+    weights = {
+        part: [
+            (torch.randn(r, in_features, generator=gen), torch.randn(size, r, generator=gen))
+            for r in RANKS[:3]
+        ]
+        for part, size in sizes.items()
+    }
+    layers = []
+    for use_kernels in (True, False):
+        batch = LoraBatch(len(RANKS), max_tokens, device, use_kernels)
+        batch.ranks.copy_(torch.tensor(RANKS))
+        batch.live_slots = (0, 1, 2)
+        layer = LoraLayer(sizes, in_features, R, batch, dtype, device)
+        for part, per_slot in weights.items():
+            for slot, (a, b) in enumerate(per_slot):
+                layer.write(slot, part, a / in_features**0.5, b / 4, scale=0.5 + slot)
+        layers.append(layer)
+    return layers
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [3, 70])  # within the batch buffers, and beyond them
+def test_the_layers_kernel_path_matches_its_torch_path(device, dtype, rows):
+    fast, ref = lora_layers({"q_proj": 48, "k_proj": 16, "v_proj": 16}, K, dtype, device)
+    slots = mixed_slots(rows, seed=4)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+    out = torch.randn(rows, 80, generator=torch.Generator().manual_seed(6)).to(device, dtype)
+    got, want = out.clone(), out.clone()
+    for layer, result in ((fast, got), (ref, want)):
+        layer.batch.prepare(slots.to(device))
+        layer.apply(x, result)
+    assert not torch.equal(got, out)
+    torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
+    fast.batch.prepare(slots.to(device), active=False)  # no adapter row: nothing added
+    assert torch.equal(fast.apply(x, out.clone()), out)
+
+
+def test_kernel_inputs_are_checked(device):
+    x = torch.zeros(4, K, device=device)
+    a, b = random_weights(1, 8, torch.float32, device)
+    ranks = torch.tensor(RANKS, dtype=torch.int32, device=device)
+    seg = lora_segments(torch.zeros(4, dtype=torch.int32, device=device), 4)
+    with pytest.raises(ValueError, match="lora_shrink needs x \\[T, K\\]"):
+        lora_shrink(x[:, :-1], a, seg, ranks)
+    with pytest.raises(ValueError, match="segments are of 4 rows, x has 3"):
+        lora_shrink(x[:3], a, seg, ranks)
+    y = lora_shrink(x, a, seg, ranks)
+    scales = torch.ones(4, 1, device=device)
+    with pytest.raises(ValueError, match="lora_expand needs y"):
+        lora_expand(
+            y,
+            b,
+            torch.zeros(4, 9, device=device),
+            seg,
+            ranks,
+            scales,
+            OutputParts.make([9], device),
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_graph_replays_any_mix_of_adapters():
+    fast, ref = lora_layers({"gate_proj": 64, "up_proj": 64}, K, torch.bfloat16, "cuda")
+    rows = 24
+    x = torch.zeros(rows, K, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(rows, 128, dtype=torch.bfloat16, device="cuda")
+    fast.batch.prepare(torch.full((rows,), -1, device="cuda"))
+    fast.apply(x, out)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fast.apply(x, out)
+    gen = torch.Generator().manual_seed(7)
+    for seed in range(3):
+        slots = mixed_slots(rows, seed=10 + seed)
+        x.copy_(torch.randn(rows, K, generator=gen))
+        out.zero_()
+        fast.batch.prepare(slots.cuda())  # rewrites the buffers the graph reads
+        graph.replay()
+        ref.batch.prepare(slots.cuda())
+        want = ref.apply(x, torch.zeros_like(out))
+        torch.testing.assert_close(out.float(), want.float(), **tol(torch.bfloat16))
