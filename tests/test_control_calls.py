@@ -49,7 +49,8 @@ def _one_of_each(sent) -> list:
         calls.UpdateWeightsFromDisk("/ckpt/step-1", "safetensors", "v3", ["/ckpt"]),
         calls.GetWeightsByName(NORM, 3), calls.GetWeightVersion(),
         calls.UpdateWeightVersion("v4", True), calls.PauseGeneration("retract"),
-        calls.ContinueGeneration(), calls.ReleaseMemoryOccupation(["kv_cache"]),
+        calls.ContinueGeneration(), calls.DiscardStagedWeights(),
+        calls.ReleaseMemoryOccupation(["kv_cache"]),
         calls.ResumeMemoryOccupation(None),
     ]  # fmt: skip
 

@@ -20,7 +20,7 @@ from rollout.forward.tensor_parallel import Shard, TPGroup
 from rollout.models.loader import build_model, iter_safetensors, load_model
 
 TOL = 1e-5
-SPAWN_TIMEOUT_S = 120
+SPAWN_TIMEOUT_S = 300
 
 
 def spawn_ranks(world: int, cases: dict, tmp_path) -> list[dict]:

@@ -139,7 +139,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=300),
     )
     try:
         tp = TPGroup.from_group()
