@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from rollout.errors import InvalidRequestType
+from rollout.errors import InvalidRequest, InvalidRequestType
 
 # The JSON name of a field, where it differs from the Python name (SGLang's wire names).
 WIRE_NAMES = {"prompt": "text"}
@@ -37,10 +37,19 @@ class GenerateRequest:
     rid: str | list[str] | None = None  # request ids (one per prompt), for abort_request
     # The third element of each logprob entry is the token's text (else None).
     return_text_in_logprobs: bool = False
+    log_metrics: bool = True  # False: the server's metrics leave this request out
+    # SGLang's fields for what this engine has no use for yet: null (false) or a clear error.
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    lora_path: str | list[str | None] | None = None
+    custom_logit_processor: Any = None
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         # Shapes only: a long prompt or id list is scanned where it is tokenized, off the loop.
-        for name in ("return_logprob", "return_hidden_states", "stream", "return_text_in_logprobs"):
+        for name in ("return_logprob", "return_hidden_states", "stream", "return_text_in_logprobs",
+                     "log_metrics", "return_routed_experts"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestType(
                     f"{name} must be a bool, got {type(getattr(self, name)).__name__}"
@@ -55,6 +64,23 @@ class GenerateRequest:
             )
         if isinstance(self.rid, list) and not all(isinstance(r, str) for r in self.rid):
             raise InvalidRequestType("rid must be a str or a list of str")
+        self._check_unused()
+
+    def _check_unused(self) -> None:
+        for name in ("image_data", "video_data", "audio_data"):
+            if getattr(self, name) not in (None, [], [None]):
+                raise InvalidRequest(f"{name} must be null: this engine serves text-only models")
+        lora = self.lora_path if isinstance(self.lora_path, list) else [self.lora_path]
+        if any(p is not None for p in lora):
+            raise InvalidRequest("lora_path must be null: no LoRA adapter is loaded on this engine")
+        if self.custom_logit_processor is not None:
+            raise InvalidRequest(
+                "custom_logit_processor must be null: custom logit processors are not supported"
+            )
+        if self.return_routed_experts:
+            raise InvalidRequest(
+                "return_routed_experts must be false: the served model has no experts"
+            )
 
     @classmethod
     def of(cls, *args: Any, **kwargs: Any) -> GenerateRequest:

@@ -68,7 +68,9 @@ def test_native_stream_joins_to_the_full_text(client, server):
     assert chunks[-1]["text"] == full["text"]  # cumulative, as SGLang streams
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     # The raw event stream ends with [DONE].
-    with httpx.stream("POST", f"{server}/generate", json={"text": "hi", "sampling_params": GREEDY, "stream": True}) as r:
+    with httpx.stream(
+        "POST", f"{server}/generate", json={"text": "hi", "sampling_params": GREEDY, "stream": True}
+    ) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data:")]
     assert lines[-1] == "data: [DONE]"
 
@@ -89,7 +91,9 @@ def test_async_client_equals_sync(client):
 def test_openai_completions_greedy_equals_engine(oai, engine):
     want = engine.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 10})
     resp = oai.completions.create(model="tiny", prompt=PROMPTS, max_tokens=10, temperature=0)
-    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [w["text"] for w in want]
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [
+        w["text"] for w in want
+    ]
     assert resp.usage.completion_tokens == sum(w["meta_info"]["completion_tokens"] for w in want)
     assert resp.usage.prompt_tokens == sum(w["meta_info"]["prompt_tokens"] for w in want)
 
@@ -115,10 +119,17 @@ def test_openai_completions_stream_n2_and_logprobs(oai, engine):
 def test_openai_chat_equals_engine_through_the_template(oai, engine):
     messages = [{"role": "user", "content": "Say something"}]
     ids = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    want = engine.generate(input_ids=engine.tokenizer.encode(ids, add_special_tokens=False),
-                           sampling_params={"temperature": 0, "max_new_tokens": 10})
+    want = engine.generate(
+        input_ids=engine.tokenizer.encode(ids, add_special_tokens=False),
+        sampling_params={"temperature": 0, "max_new_tokens": 10},
+    )
     resp = oai.chat.completions.create(
-        model="tiny", messages=messages, max_completion_tokens=10, temperature=0, logprobs=True, top_logprobs=3
+        model="tiny",
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
     )
     choice = resp.choices[0]
     assert choice.message.role == "assistant"
@@ -128,7 +139,11 @@ def test_openai_chat_equals_engine_through_the_template(oai, engine):
     assert resp.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
 
     streamed = oai.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True,
+        model="tiny",
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     text, usage = "", None
@@ -141,10 +156,16 @@ def test_openai_chat_equals_engine_through_the_template(oai, engine):
 
 
 def test_openai_stop_ends_the_text(oai):
-    free = oai.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text
+    free = (
+        oai.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0)
+        .choices[0]
+        .text
+    )
     assert len(free) > 4
     stop = free[2:5]
-    resp = oai.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop])
+    resp = oai.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop]
+    )
     assert resp.choices[0].finish_reason == "stop"
     assert resp.choices[0].text == free[: free.index(stop)]
 
@@ -183,13 +204,24 @@ def test_metrics_count_requests_and_tokens(server, client):
     after = httpx.get(f"{server}/metrics").text
 
     def value(text: str, name: str) -> float:
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
-                   or line.startswith(name + "{"))
+        return sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith(name + " ") or line.startswith(name + "{")
+        )
 
-    assert value(after, "rollout_generation_tokens_total") - value(before, "rollout_generation_tokens_total") == 5
+    assert (
+        value(after, "rollout_generation_tokens_total")
+        - value(before, "rollout_generation_tokens_total")
+        == 5
+    )
     assert value(after, "rollout_requests_total") > value(before, "rollout_requests_total")
-    for name in ("rollout_e2e_request_latency_seconds_bucket", "rollout_num_queue_reqs",
-                 "rollout_kv_cache_usage", "rollout_prefix_cache_hit_rate"):
+    for name in (
+        "rollout_e2e_request_latency_seconds_bucket",
+        "rollout_num_queue_reqs",
+        "rollout_kv_cache_usage",
+        "rollout_prefix_cache_hit_rate",
+    ):
         assert name in after
 
 
@@ -215,12 +247,25 @@ def test_bad_input_is_a_400_naming_the_problem(server, body, fragment):
 
 
 def test_bad_bodies_and_the_server_keeps_serving(server, client):
-    assert httpx.post(f"{server}/generate", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    assert (
+        httpx.post(
+            f"{server}/generate", content=b"{not json", headers={"content-type": "application/json"}
+        ).status_code
+        == 400
+    )
     assert httpx.post(f"{server}/generate", content=b"[1, 2]").status_code == 400
-    assert httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": []}).status_code == 400
+    assert (
+        httpx.post(
+            f"{server}/v1/chat/completions", json={"model": "tiny", "messages": []}
+        ).status_code
+        == 400
+    )
     big = b"x" * (64 * 2**20 + 10)
     assert httpx.post(f"{server}/generate", content=big).status_code == 413
-    assert client.generate("still alive?", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    assert (
+        client.generate("still alive?", {"max_new_tokens": 2})["meta_info"]["completion_tokens"]
+        == 2
+    )
 
 
 def test_sglang_clients_get_routes_and_server_args_fields(server):
@@ -235,3 +280,38 @@ def test_sglang_clients_get_routes_and_server_args_fields(server):
     assert info.keys() == again.keys() and info["model_path"] == again["model_path"]
     assert (info["tp_size"], info["dp_size"]) == (1, 1)
     assert info["max_total_num_tokens"] == info["max_total_tokens"] and info["version"]
+
+
+def test_fields_sglang_clients_always_send_are_accepted(server):
+    # AReaL sends image_data: null with every request; slime sends sampling_seed and the rest.
+    body = {
+        "input_ids": [5, 6, 7],
+        "image_data": None,
+        "lora_path": None,
+        "return_routed_experts": False,
+        "custom_logit_processor": None,
+        "log_metrics": False,
+        "sampling_params": {
+            "max_new_tokens": 4,
+            "temperature": 1.0,
+            "sampling_seed": 3,
+            "custom_params": None,
+        },
+    }
+    first = httpx.post(f"{server}/generate", json=body)
+    assert first.status_code == 200, first.text
+    again = httpx.post(
+        f"{server}/generate",
+        json={
+            **body,
+            "sampling_params": {**body["sampling_params"], "sampling_seed": None, "seed": 3},
+        },
+    )
+    assert first.json()["output_ids"] == again.json()["output_ids"]  # sampling_seed is the seed
+    for field, value in (
+        ("image_data", "a.png"),
+        ("lora_path", "adapter"),
+        ("return_routed_experts", True),
+    ):
+        resp = httpx.post(f"{server}/generate", json={**body, field: value})
+        assert resp.status_code == 400 and field in resp.json()["error"]["message"]

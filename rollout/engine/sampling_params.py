@@ -83,6 +83,7 @@ class SamplingParams:
             return cls()
         if not isinstance(d, dict):
             raise InvalidRequest(f"sampling params must be a dict, got {type(d).__name__}")
+        d = _from_sglang_names(d)
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(k for k in d if k not in valid)
         if unknown:
@@ -99,6 +100,24 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+
+def _from_sglang_names(d: dict[str, Any]) -> dict[str, Any]:
+    """d with SGLang's other names for our fields translated: `sampling_seed` is `seed`, and
+    `custom_params` (read only by custom logit processors, which requests can't send here)
+    must be a dict or null and has nothing to act on."""
+    if "sampling_seed" not in d and "custom_params" not in d:
+        return d
+    d = dict(d)
+    seed = d.pop("sampling_seed", None)
+    if seed is not None:
+        if d.get("seed") not in (None, seed):
+            raise InvalidRequest(f"seed ({d['seed']!r}) and sampling_seed ({seed!r}) disagree")
+        d["seed"] = seed
+    custom = d.pop("custom_params", None)
+    if custom is not None and not isinstance(custom, dict):
+        raise InvalidRequest(f"custom_params must be a dict or null, got {type(custom).__name__}")
+    return d
 
 
 _BOOL_FIELDS = (

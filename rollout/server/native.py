@@ -76,12 +76,14 @@ async def generate(body: GenerateBody, request: Request) -> Any:
         with owners.claim(call.rid, role):
             result = await until_disconnect(request, engine.async_generate(call))
         outs = result if isinstance(result, list) else [result]
-        metrics.observe("generate", outs, time.monotonic() - start)
+        if call.log_metrics:
+            metrics.observe("generate", outs, time.monotonic() - start)
         return await json_response(result)
 
     stream = owners.stream(engine.async_generate(call), call.rid, role)
     first, rest = await first_item(stream)
-    metrics.ttft.observe(time.monotonic() - start)
+    if call.log_metrics:
+        metrics.ttft.observe(time.monotonic() - start)
 
     async def events() -> AsyncIterator[str | bytes]:
         last = first
@@ -93,7 +95,8 @@ async def generate(body: GenerateBody, request: Request) -> Any:
         except Exception as e:  # noqa: BLE001 - the 200 is sent: the error goes in the stream
             yield error_event(e, request)
         else:
-            metrics.observe("generate", [last], time.monotonic() - start)
+            if call.log_metrics:
+                metrics.observe("generate", [last], time.monotonic() - start)
         yield sse("[DONE]")
 
     return sse_response(events(), request)
