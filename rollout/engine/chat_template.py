@@ -35,12 +35,17 @@ def chat_ids(
     add_generation_prompt: bool,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The prompt ids of one conversation. Raises ValueError for messages, kwargs or a
-    rendered text beyond the limits, and for a template that fails on them."""
+    """The prompt ids of one conversation (with `tools`: the functions the template lists for
+    the model). Raises ValueError for messages, kwargs or a rendered text beyond the limits,
+    and for a template that fails on them."""
     kwargs = dict(template_kwargs or {})
     check_template_kwargs(tokenizer, limits, kwargs)
     limits.check_text(messages, "the messages")
+    if tools:
+        limits.check_text(tools, "the tools")
+        kwargs["tools"] = tools
     user_template = USER_TEMPLATE_KEY in kwargs
     timeout = limits.options.chat_template_timeout_s
     try:

@@ -167,7 +167,8 @@ def get_load(request: Request) -> list[dict]:
     ]
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's clients use GET
+@router.post("/flush_cache")
+@router.get("/flush_cache", operation_id="flush_cache_get")  # SGLang's clients use GET
 def flush_cache(request: Request) -> JSON:
     result = _engine(request).flush_cache()
     return JSON(result, status_code=200 if result.get("success") else 409)

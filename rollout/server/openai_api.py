@@ -15,6 +15,7 @@ from rollout.engine.chat_template import chat_ids
 from rollout.engine.output_builder import TokenText
 from rollout.engine.request_validation import encode_prompt
 from rollout.errors import InvalidRequest, InvalidRequestType
+from rollout.server import chat_output
 from rollout.server.json_body import OffLoopRoute
 from rollout.server.openai_format import (
     chat_logprobs,
@@ -36,15 +37,15 @@ from rollout.server.streaming import (
 if TYPE_CHECKING:
     from rollout.engine.engine import RolloutEngine
 
-router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
+router = APIRouter(route_class=OffLoopRoute)
+
+PROMPT_TAIL_TOKENS = 8  # large bodies parsed off the event loop
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
 
 
 def _model_card(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "rollout", "root": name}
-
-
 
 
 @router.get("/v1/models")
@@ -91,16 +92,20 @@ def _prompts(body: CompletionRequest, engine: RolloutEngine) -> tuple[list[list[
     return prompts, echo
 
 
-def _chat_prompt(body: ChatCompletionRequest, engine: RolloutEngine) -> list[int]:
+def _chat_prompt(body: ChatCompletionRequest, engine: RolloutEngine) -> tuple[list[int], str]:
+    """The prompt's ids, and the text of its last few tokens (where a reasoning parser looks
+    for a thinking tag the template opened)."""
     messages = [m.as_template_input() for m in body.messages]
-    return chat_ids(
+    ids = chat_ids(
         engine.tokenizer,
         engine.limits,
         messages,
         add_generation_prompt=not body.continue_final_message,
         continue_final_message=body.continue_final_message,
         template_kwargs=body.chat_template_kwargs,
+        tools=body.tools if body.tool_names() else None,
     )
+    return ids, engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
 
 
 async def _run(
@@ -274,8 +279,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     if (bad := check_model(request, body.model)) is not None:
         return bad
-    engine = request.app.state.engine
-    prompts = [await engine.run_in_worker(_chat_prompt, body, engine)]
+    engine, options = request.app.state.engine, request.app.state.options
+    chat_output.check_tool_choice(body, options)
+    ids, tail = await engine.run_in_worker(_chat_prompt, body, engine)
+    prompts = [ids]
+    parsers = chat_output.output_parsers(body, options, tail)
+    if chat_output.needs_special_tokens(body, options):
+        body = body.model_copy(update={"skip_special_tokens": False})
     limit = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -291,12 +301,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             choices = []
             for i, out in enumerate(outputs):
                 meta = out["meta_info"]
+                message, reason = chat_output.message(
+                    out["text"], finish_reason(meta), parsers, body.parallel_tool_calls
+                )
                 choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": out["text"]},
+                        "message": message,
                         "logprobs": chat_logprobs(meta, text_of, 0) if body.logprobs else None,
-                        "finish_reason": finish_reason(meta),
+                        "finish_reason": reason,
                         "matched_stop": matched_stop(meta),
                     }
                 )
@@ -337,12 +350,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             if body.logprobs:
                 logprobs = chat_logprobs(meta, text_of, st["logprobs"])
                 st["logprobs"] = len(meta.get("output_token_logprobs", []))
-            choice = {
-                "index": i,
-                "delta": {"content": text} if text else {},
-                "logprobs": logprobs,
-                "finish_reason": reason,
-            }
+            delta, reason = chat_output.delta(text, reason, st, parsers, body.parallel_tool_calls)
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
                 choice["matched_stop"] = matched_stop(meta)
             events.append(sse({**chunk_head, "choices": [choice]}))

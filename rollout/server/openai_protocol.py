@@ -3,6 +3,7 @@ accept (top_k, min_p, repetition_penalty, ignore_eos, ...). Unknown fields are a
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation
@@ -88,6 +89,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as they were returned
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -96,7 +99,22 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call as chat templates read it: arguments as an object, not a string."""
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except ValueError:
+            pass  # the template gets the text as it was
+    return {**call, "function": function}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -106,3 +124,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None  # {"type": "function", "function": {name, ...}}
+    tool_choice: str | dict[str, Any] | None = None  # auto, none (required and named: not yet)
+    parallel_tool_calls: bool = True
+
+    def tool_names(self) -> list[str] | None:
+        """The functions the model may call (None: no tools, or tool_choice none)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [str((t.get("function") or {}).get("name")) for t in self.tools]

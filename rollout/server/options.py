@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.parsers import check_parser_names
+
 
 def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
@@ -14,7 +16,9 @@ def _opt(default: Any, help: str) -> Any:
 class ServerOptions:
     host: str = _opt("127.0.0.1", "address to bind; 0.0.0.0 exposes the server to the network")
     port: int = _opt(30000, "TCP port to listen on")
-    api_key: str | None = _opt(None, "if set, every endpoint but /health needs 'Authorization: Bearer KEY'")
+    api_key: str | None = _opt(
+        None, "if set, every endpoint but /health needs 'Authorization: Bearer KEY'"
+    )
     admin_api_key: str | None = _opt(
         None, "if set, admin endpoints (flush, abort_all, weights, memory) need this key instead"
     )
@@ -26,12 +30,21 @@ class ServerOptions:
         "every file it reads must resolve there, symlinks followed",
     )
     log_level: str = _opt("warning", "uvicorn log level: critical, error, warning, info, debug")
+    tool_call_parser: str | None = _opt(
+        None,
+        "how the model writes tool calls, to return them as OpenAI tool_calls: hermes, llama3, "
+        "mistral, qwen, qwen25 (unset: chat output is returned as text)",
+    )
+    reasoning_parser: str | None = _opt(
+        None, "reasoning tags to split into reasoning_content: deepseek-r1, qwen3, qwen3-thinking"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        check_parser_names(self.tool_call_parser, self.reasoning_parser)
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(
                 f"log_level must be one of critical, error, warning, info, debug, got {self.log_level!r}"

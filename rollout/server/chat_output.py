@@ -1,0 +1,93 @@
+"""A chat choice's text -> the OpenAI message or delta: reasoning_content and tool_calls split
+out by the server's --reasoning-parser and --tool-call-parser (rollout/parsers)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rollout.errors import InvalidRequest
+from rollout.parsers import TOOL_CALL_PARSERS, chat_output_parser
+from rollout.parsers.chat_output import ChatOutputParser
+from rollout.parsers.types import MessageDelta
+from rollout.server.openai_protocol import ChatCompletionRequest
+from rollout.server.options import ServerOptions
+
+Parsers = Callable[[], ChatOutputParser] | None
+
+
+def check_tool_choice(body: ChatCompletionRequest, options: ServerOptions) -> None:
+    """What a chat request asks of tools that this server can give, or an InvalidRequest."""
+    if body.tool_choice not in (None, "auto", "none"):
+        raise InvalidRequest(
+            f"tool_choice {body.tool_choice!r} is not supported: the output can't be constrained "
+            "to a call yet; use auto or none"
+        )
+    if body.tool_names() and options.tool_call_parser is None:
+        raise InvalidRequest("tools need the server started with --tool-call-parser")
+
+
+def output_parsers(
+    body: ChatCompletionRequest, options: ServerOptions, prompt_tail: str
+) -> Parsers:
+    """A maker of one output parser per choice, or None when the text is returned as it is."""
+    names = body.tool_names()
+    tool_parser = options.tool_call_parser if names else None
+    if tool_parser is None and options.reasoning_parser is None:
+        return None
+    return lambda: chat_output_parser(tool_parser, options.reasoning_parser, names, prompt_tail)
+
+
+def needs_special_tokens(body: ChatCompletionRequest, options: ServerOptions) -> bool:
+    """Whether the tool-call format is written in special tokens ([TOOL_CALLS], ...), which
+    the text must keep for the parser to see them."""
+    if not body.tool_names() or options.tool_call_parser is None:
+        return False
+    return TOOL_CALL_PARSERS[options.tool_call_parser].needs_special_tokens
+
+
+def message(
+    text: str, reason: str | None, parsers: Parsers, parallel: bool
+) -> tuple[dict, str | None]:
+    """The assistant message of a whole choice, and its finish reason ("tool_calls" when it
+    ended by calling tools)."""
+    if parsers is None:
+        return {"role": "assistant", "content": text}, reason
+    parsed = parsers().parse(text)
+    out = parsed.as_openai()
+    if out.get("tool_calls"):
+        if not parallel:
+            out["tool_calls"] = out["tool_calls"][:1]
+        if reason == "stop":
+            reason = "tool_calls"
+    return out, reason
+
+
+def delta(
+    text: str, reason: str | None, state: dict, parsers: Parsers, parallel: bool
+) -> tuple[dict, str | None]:
+    """The delta of a streamed choice's new text (`state` is the choice's), and its finish
+    reason."""
+    if parsers is None:
+        return ({"content": text} if text else {}), reason
+    parser = state.setdefault("parser", parsers())
+    parts = [parser.feed(text)]
+    if reason is not None:
+        parts.append(parser.finish())
+    out: dict[str, Any] = {}
+    content = "".join(p.content or "" for p in parts)
+    reasoning = "".join(p.reasoning_content or "" for p in parts)
+    calls = [c.as_openai() for p in parts for c in _calls(p) if parallel or c.index == 0]
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    if content:
+        out["content"] = content
+    if calls:
+        out["tool_calls"] = calls
+    if reason == "stop" and parser.calls_made:
+        reason = "tool_calls"
+    return out, reason
+
+
+def _calls(part: MessageDelta) -> list:
+    return list(part.tool_calls or ())
