@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, SkipValidation, create_model
 
 from rollout import __version__
 from rollout.engine.messages import AbortRequest
+from rollout.errors import RequestError
 from rollout.generate_request import WIRE_NAMES, GenerateRequest
 from rollout.server.json_body import OffLoopRoute
 from rollout.server.responses import JSON, error, json_response
@@ -73,10 +74,19 @@ async def generate(body: GenerateBody, request: Request) -> Any:
     start = time.monotonic()
 
     if not body.stream:
-        with owners.claim(call.rid, role):
-            result = await until_disconnect(request, engine.async_generate(call))
+        log_metrics = call.log_metrics
+        try:
+            with owners.claim(call.rid, role):
+                result = await until_disconnect(request, engine.async_generate(call))
+        except RequestError as e:
+            # A refused body is freed a piece at a time after the answer (json_body), unless
+            # something else still holds it then: this frame, or the error's traceback, whose
+            # frames (the engine's checks) hold the request. Neither outlives this block.
+            refusal = type(e)(*e.args)
+            del call, e
+            raise refusal from None
         outs = result if isinstance(result, list) else [result]
-        if call.log_metrics:
+        if log_metrics:
             metrics.observe("generate", outs, time.monotonic() - start)
         return await json_response(result)
 
