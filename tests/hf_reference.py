@@ -41,3 +41,20 @@ def hf_next_logprobs(path: str, ids: list[int]) -> torch.Tensor:
 @cache
 def _hf(path: str, cls):
     return cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, exactly new_tokens long (EOS ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            outs.append(out[0, len(ids) :].tolist())
+    return outs

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from forward_helpers import forward_batch
 from transformers import AutoModelForCausalLM
 
-from rollout.forward.attention import create_attention_backend
-from rollout.forward.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.forward_batch import ForwardMode
 from rollout.forward.kv_pool import KVPool, ReqToTokenPool
 from rollout.models import layers
 from rollout.models.llama import head_dim_of, num_kv_heads_of
@@ -63,31 +63,10 @@ class Cache:
 def run(model, slots, cache, seqs, cached, adapters, mode=ForwardMode.EXTEND) -> list[torch.Tensor]:
     """One forward of seqs[i][cached[i]:] over KV holding seqs[i][:cached[i]], request i on
     adapter adapters[i] (None: base). Returns each request's logits of its new tokens."""
-    ids, pos, loc = [], [], []
-    for i, (seq, c) in enumerate(zip(seqs, cached)):
-        ids += seq[c:]
-        pos += range(c, len(seq))
-        loc += cache.table.read(i, c, len(seq)).tolist()
-    seq_lens = [len(s) for s in seqs]
-    extend = [len(s) - c for s, c in zip(seqs, cached)]
-    fb = ForwardBatch(
-        mode=mode,
-        input_ids=torch.tensor(ids),
-        positions=torch.tensor(pos),
-        out_cache_loc=torch.tensor(loc),
-        req_pool_indices=torch.arange(len(seqs)),
-        seq_lens=torch.tensor(seq_lens),
-        extend_lens=torch.tensor(extend),
-        req_to_token=cache.table.table,
-        kv_pool=cache.kv,
-        attn_backend=create_attention_backend("torch"),
-        seq_lens_cpu=seq_lens,
-        extend_lens_cpu=extend,
-    )
-    fb.attn_backend.prepare(fb)
-    slots.prepare_batch(adapters, extend)
+    fb = forward_batch(cache.kv, cache.table, seqs, cached, mode)
+    slots.prepare_batch(adapters, fb.extend_lens_cpu)
     with torch.no_grad():
-        return list(model.compute_logits(model(fb.input_ids, fb.positions, fb)).split(extend))
+        return list(model.compute_logits(model(fb.input_ids, fb.positions, fb)).split(fb.extend_lens_cpu))
 
 
 def _merged_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import hf_reference
 import torch
 from safetensors.torch import load_file
 
@@ -26,19 +27,7 @@ def free_port() -> int:
 
 
 def hf_greedy(path: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = hf.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-            outs.append(out[0, len(ids) :].tolist())
-    return outs
+    return hf_reference.hf_greedy(path, prompts, new_tokens)
 
 
 def weights(path: str) -> dict[str, torch.Tensor]:

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from forward_helpers import forward_batch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from rollout.forward.attention import create_attention_backend
-from rollout.forward.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.forward_batch import ForwardMode
 from rollout.forward.kv_pool import KVPool, ReqToTokenPool
 from rollout.models import get_model_class
 from rollout.models.layers import RotaryEmbedding
@@ -43,28 +43,7 @@ class Cache:
 def run(model, cache: Cache, seqs: list[list[int]], cached: list[int], mode=ForwardMode.EXTEND):
     """One forward of seqs[i][cached[i]:] on top of KV that already holds seqs[i][:cached[i]].
     Returns the logits of the new tokens, back to back: [sum of new lengths, vocab]."""
-    ids, pos, loc = [], [], []
-    for i, (seq, c) in enumerate(zip(seqs, cached)):
-        ids += seq[c:]
-        pos += range(c, len(seq))
-        loc += cache.table.read(i, c, len(seq)).tolist()
-    seq_lens = [len(s) for s in seqs]
-    extend_lens = [len(s) - c for s, c in zip(seqs, cached)]
-    fb = ForwardBatch(
-        mode=mode,
-        input_ids=torch.tensor(ids),
-        positions=torch.tensor(pos),
-        out_cache_loc=torch.tensor(loc),
-        req_pool_indices=torch.arange(len(seqs)),
-        seq_lens=torch.tensor(seq_lens),
-        extend_lens=torch.tensor(extend_lens),
-        req_to_token=cache.table.table,
-        kv_pool=cache.kv,
-        attn_backend=create_attention_backend("torch"),
-        seq_lens_cpu=seq_lens,
-        extend_lens_cpu=extend_lens,
-    )
-    fb.attn_backend.prepare(fb)
+    fb = forward_batch(cache.kv, cache.table, seqs, cached, mode)
     with torch.no_grad():
         return model.compute_logits(model(fb.input_ids, fb.positions, fb))
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 import torch
+from hf_reference import hf_greedy
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from rollout import RolloutEngine
 from rollout.config import WeightSyncOptions
@@ -248,17 +249,7 @@ def _free_port() -> int:
 
 
 def _hf_greedy(path: str) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in PROMPTS:
-            out = hf.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-            outs.append(out[0, len(ids) :].tolist())
-    return outs
+    return hf_greedy(path, PROMPTS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

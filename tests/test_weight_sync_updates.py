@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from hf_reference import hf_greedy
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -36,17 +37,7 @@ def _free_port() -> int:
 
 
 def _hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = hf.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-            outs.append(out[0, len(ids) :].tolist())
-    return outs
+    return hf_greedy(path, prompts, NEW_TOKENS)
 
 
 def _weights(path: str) -> dict[str, torch.Tensor]:

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from forward_helpers import forward_batch
 
-from rollout.forward.attention import create_attention_backend
-from rollout.forward.forward_batch import ForwardBatch, ForwardMode
+from rollout.forward.forward_batch import ForwardMode
 from rollout.forward.kv_pool import KVPool, ReqToTokenPool
 from rollout.forward.tensor_parallel import SINGLE, TPGroup
 from rollout.models.loader import load_model
@@ -51,29 +51,7 @@ def step(
     model, cache: Cache, seqs: list[list[int]], cached: list[int], mode, backend=None
 ) -> torch.Tensor:
     """Logits of seqs[i][cached[i]:] on top of KV holding seqs[i][:cached[i]]."""
-    ids, pos, loc = [], [], []
-    for i, (seq, c) in enumerate(zip(seqs, cached)):
-        ids += seq[c:]
-        pos += range(c, len(seq))
-        loc += cache.table.read(i, c, len(seq)).tolist()
-    seq_lens = [len(s) for s in seqs]
-    extend_lens = [len(s) - c for s, c in zip(seqs, cached)]
-    dev = cache.device
-    fb = ForwardBatch(
-        mode=mode,
-        input_ids=torch.tensor(ids, device=dev),
-        positions=torch.tensor(pos, device=dev),
-        out_cache_loc=torch.tensor(loc, device=dev),
-        req_pool_indices=torch.arange(len(seqs), device=dev),
-        seq_lens=torch.tensor(seq_lens, device=dev),
-        extend_lens=torch.tensor(extend_lens, device=dev),
-        req_to_token=cache.table.table,
-        kv_pool=cache.kv,
-        attn_backend=backend or create_attention_backend("torch"),
-        seq_lens_cpu=seq_lens,
-        extend_lens_cpu=extend_lens,
-    )
-    fb.attn_backend.prepare(fb)
+    fb = forward_batch(cache.kv, cache.table, seqs, cached, mode, backend, cache.device)
     with torch.no_grad():
         return model.compute_logits(model(fb.input_ids, fb.positions, fb))
 
