@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":
-        from rollout.server.launch import main as serve_main
+        from rollout.serve import main as serve_main
 
         return serve_main(argv[1:])
     if argv and argv[0] == "router":

@@ -18,6 +18,7 @@ import httpx
 from rollout.control import ControlCall
 from rollout.control_api import ControlAPI
 from rollout.engine.control_calls import FlushCache, GetServerInfo
+from rollout.engine.lora_calls import LoadLoraAdapter
 from rollout.engine.messages import AbortRequest
 from rollout.errors import EXCEPTIONS, HTTP, Forbidden
 from rollout.generate_request import GenerateRequest, takes_generate_request
@@ -88,6 +89,16 @@ class RolloutClient(ControlAPI):
         # A fresh async client per call: an AsyncClient belongs to the event loop that used it first.
         return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout)
 
+    # ---- sessions (RolloutEngine.open_session's twins) -----------------------------------
+    def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:
+        payload = {"capacity_of_str_len": capacity_of_str_len, "session_id": session_id}
+        return self._post("/open_session", _present(payload))
+
+    def close_session(self, session_id: str) -> None:
+        resp = self._http.post("/close_session", json={"session_id": session_id})
+        if resp.status_code >= 400:
+            raise _error(resp)
+
     # ---- embeddings, rewards and label scores -----------------------------------------------
     def encode(
         self, prompt: Any = None, input_ids: Any = None, normalize: bool = False, rid: Any = None
@@ -128,7 +139,7 @@ class RolloutClient(ControlAPI):
         return _result(resp)
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
-        self.control(AbortRequest(rid, abort_all))
+        self.control(AbortRequest(rid, abort_all), omit=("session_id",))  # /close_session's
 
     def get_server_info(self) -> dict:
         return self._get(f"/{GetServerInfo.method}")
@@ -166,19 +177,27 @@ class RolloutClient(ControlAPI):
     def update_weights_from_tensor(
         self, named_tensors: calls.NamedTensors, load_format: str | None = None,
         flush_cache: bool = True, weight_version: str | None = None,
+        lora_name: str | None = None,
     ) -> dict:  # fmt: skip
         """Colocated only: shares the tensors (CUDA IPC handles, or shared memory on the host)
         and sends their JSON handles; the tensors must not change until this returns."""
-        args = named_tensors, load_format, flush_cache, weight_version
+        args = named_tensors, load_format, flush_cache, weight_version, lora_name
         with calls.UpdateWeightsFromTensor.shared(*args) as call:
             return self.control(call)
 
     def update_weights_from_disk(
-        self, model_path: str, load_format: str | None = None, weight_version: str | None = None
-    ) -> dict:
-        """The server reads only under its --allowed-weight-roots (else PermissionError)."""
-        call = calls.UpdateWeightsFromDisk(model_path, load_format, weight_version)
+        self, model_path: str, load_format: str | None = None, weight_version: str | None = None,
+        lora_name: str | None = None,
+    ) -> dict:  # fmt: skip
+        """The server reads only under its --allowed-weight-roots (else PermissionError).
+        With lora_name, model_path is a PEFT adapter directory replacing that adapter."""
+        call = calls.UpdateWeightsFromDisk(model_path, load_format, weight_version, lora_name=lora_name)
         return self.control(call, omit=("allowed_roots",))  # the server's own, never the client's
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """The server reads only under its --allowed-weight-roots (else PermissionError)."""
+        call = LoadLoraAdapter(lora_name, lora_path)
+        return self.control(call, omit=("allowed_roots",))  # the server's own
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self.control(calls.GetWeightsByName(name, truncate_size))

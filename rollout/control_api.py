@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollout.control import ControlCall, control_method
+from rollout.engine.lora_calls import LoadLoraAdapter, UnloadLoraAdapter
 from rollout.weight_sync import calls
 
 
@@ -32,3 +33,5 @@ class ControlAPI:
     discard_staged_weights = control_method(calls.DiscardStagedWeights)
     release_memory_occupation = control_method(calls.ReleaseMemoryOccupation)
     resume_memory_occupation = control_method(calls.ResumeMemoryOccupation)
+    load_lora_adapter = control_method(LoadLoraAdapter)
+    unload_lora_adapter = control_method(UnloadLoraAdapter)

@@ -38,13 +38,17 @@ class GenerateRequest:
     # The third element of each logprob entry is the token's text (else None).
     return_text_in_logprobs: bool = False
     log_metrics: bool = True  # False: the server's metrics leave this request out
+    # The LoRA adapter (by the name it was loaded under) of each prompt; None: the base model.
+    lora_path: str | list[str | None] | None = None
     # SGLang's fields for what this engine has no use for yet: null (false) or a clear error.
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
-    lora_path: str | list[str | None] | None = None
     custom_logit_processor: Any = None
     return_routed_experts: bool = False
+    # Continue an open session's turn (rollout/engine/session_params.py): {"id", "rid",
+    # "offset", "replace"}; a list holds one per prompt.
+    session_params: dict[str, Any] | list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         # Shapes only: a long prompt or id list is scanned where it is tokenized, off the loop.
@@ -71,8 +75,11 @@ class GenerateRequest:
             if getattr(self, name) not in (None, [], [None]):
                 raise InvalidRequest(f"{name} must be null: this engine serves text-only models")
         lora = self.lora_path if isinstance(self.lora_path, list) else [self.lora_path]
-        if any(p is not None for p in lora):
-            raise InvalidRequest("lora_path must be null: no LoRA adapter is loaded on this engine")
+        if not all(p is None or (isinstance(p, str) and p) for p in lora):
+            raise InvalidRequestType(
+                "lora_path must be a loaded LoRA adapter's name, or a list of one (or null) per "
+                "prompt"
+            )
         if self.custom_logit_processor is not None:
             raise InvalidRequest(
                 "custom_logit_processor must be null: custom logit processors are not supported"

@@ -48,11 +48,16 @@ def hf_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return greedy_of(hf, prompts, new_tokens)
+
+
+def greedy_of(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """`hf`'s (a transformers or PEFT model's) greedy continuation of each prompt."""
     outs = []
     with torch.no_grad():
         for ids in prompts:
             out = hf.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                 eos_token_id=None, pad_token_id=0,
             )  # fmt: skip

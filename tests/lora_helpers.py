@@ -3,17 +3,12 @@ ragged batch whose requests each name their adapter."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
-import pytest
 import torch
 from forward_helpers import forward_batch
 from transformers import AutoModelForCausalLM
 
 from rollout.forward.forward_batch import ForwardMode
 from rollout.forward.kv_pool import KVPool, ReqToTokenPool
-from rollout.models import layers
 from rollout.models.llama import head_dim_of, num_kv_heads_of
 
 MAX_LEN = 64  # KV slots per request
@@ -67,31 +62,3 @@ def run(model, slots, cache, seqs, cached, adapters, mode=ForwardMode.EXTEND) ->
     slots.prepare_batch(adapters, fb.extend_lens_cpu)
     with torch.no_grad():
         return list(model.compute_logits(model(fb.input_ids, fb.positions, fb)).split(fb.extend_lens_cpu))
-
-
-def _merged_forward(self, x: torch.Tensor) -> torch.Tensor:
-    out = layers.linear(x, self.weight, self.bias, self.skinny_rows)
-    if getattr(self, "lora", None) is not None:
-        self.lora.apply(x, out)
-    return out
-
-
-def _row_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
-    bias = self.bias if self.tp.rank == 0 else None
-    out = layers.linear(x, self.weight, bias, self.skinny_rows)
-    if getattr(self, "lora", None) is not None:
-        self.lora.apply(x, out)
-    return self.tp.all_reduce(out)
-
-
-@contextlib.contextmanager
-def lora_wiring() -> Iterator[None]:
-    """The wiring rollout.models.lora documents, patched into the layers while
-    rollout.models.layers lacks it (a Linear there then has no `lora` attribute)."""
-    if hasattr(layers.Linear, "lora"):
-        yield
-        return
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(layers.MergedLinear, "forward", _merged_forward)
-        patch.setattr(layers.RowParallelLinear, "forward", _row_parallel_forward)
-        yield

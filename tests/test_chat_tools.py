@@ -120,7 +120,7 @@ def test_without_parsers_or_tools_the_text_is_returned_as_it_is(tokenizer):
             model="m",
             messages=[{"role": "user", "content": "hi"}],
             tools=TOOLS,
-            tool_choice="required",
+            tool_choice={"type": "function", "function": {"name": "not_offered"}},
         )
 
 

@@ -179,6 +179,31 @@ def test_grpo_with_its_defaults_learns_the_toy_task(tmp_path):
     assert summary["mean_logprob_gap"] < FLOAT32_GAP
 
 
+def test_grpo_lora_short_run_pushes_the_trainers_adapter(tmp_path):
+    """--lora-rank: the engine serves the PEFT policy's adapter, pushed alone each step; its
+    rollouts' logprobs are the trainer's (a push that missed or garbled the adapter, or went to
+    the base weights, would leave a gap orders above rounding)."""
+    pytest.importorskip("peft")
+    proc = run_example(
+        "grpo.py", "--lora-rank", "4", "--steps", "2", "--no-wandb", "--log-dir", "logs",
+        cwd=str(tmp_path),
+    )  # fmt: skip
+    summary = summary_of(proc, steps=2)
+    assert summary["weight_version"] == "step-2"  # the adapter's version, on every rollout
+    assert summary["mean_logprob_gap"] < FLOAT32_GAP and summary["max_logprob_gap"] < FLOAT32_GAP
+    assert 0 <= summary["first_reward"] <= 1 and summary["mean_weight_sync_s"] > 0
+
+
+@pytest.mark.slow
+def test_grpo_lora_with_its_defaults_learns_the_toy_task(tmp_path):
+    pytest.importorskip("peft")
+    proc = run_example("grpo.py", "--lora-rank", "8", "--no-wandb", cwd=str(tmp_path), timeout=300)
+    summary = summary_of(proc, steps=20)
+    assert summary["first_reward"] < 0.2, summary["rewards"]
+    assert summary["final_reward"] > 0.8, summary["rewards"]
+    assert summary["mean_logprob_gap"] < FLOAT32_GAP
+
+
 def reward_server_processes(stderr: str) -> list[int]:
     """The pids of the reward servers ppo.py reported starting."""
     return [int(pid) for pid in re.findall(r"rollout serve \(pid (\d+)\) is ready", stderr)]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from lora_helpers import Cache, lora_wiring, make_peft_adapter, peft_model, run
+from lora_helpers import Cache, make_peft_adapter, peft_model, run
 from transformers import AutoConfig
 
 from rollout.forward.forward_batch import ForwardMode
@@ -37,12 +37,6 @@ class Setup:
     paths: dict[str, str]
     seqs: list[list[int]]
     want: dict[str | None, list[torch.Tensor]]  # adapter -> PEFT's logits of every sequence
-
-
-@pytest.fixture(scope="module", autouse=True)
-def wired():
-    with lora_wiring():
-        yield
 
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_qwen3"])

@@ -42,6 +42,12 @@ class FakeReplica(Replica):
         if self.fate == "die":
             raise ReplicaDead(f"{self.name} died")
 
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.fate == "die":
+            raise ReplicaDead(f"{self.name} died")
+        self.served.append((method, args))
+        return {"replica": self.index}
+
     async def alive(self) -> bool:
         return self.fate != "die"
 
@@ -103,5 +109,22 @@ def test_a_refusal_is_raised_as_it_is_and_not_retried():
         with pytest.raises(InvalidRequest, match="top_p"):
             await dispatcher.generate(GenerateRequest(input_ids=[1, 2]))
         assert replicas[1].served == [] and sup.serving() == [0, 1]
+
+    asyncio.run(run())
+
+
+def test_encode_classify_and_score_go_to_the_least_loaded_replica_and_are_retried_once():
+    async def run() -> None:
+        replicas, sup, dispatcher = _dispatcher("serve", "serve", "die")
+        await sup.start_all()
+        dispatcher.router.started(0, 500)  # replica 0 has work outstanding
+        for method in ("encode", "classify", "score"):
+            assert await dispatcher.call_one(method, "a prompt") == {"replica": 1}
+        dispatcher.router.finished(0, 400)
+        dispatcher.router.started(1, 500)
+        # Replica 2 is now the least loaded: it dies, and the call runs on replica 0.
+        assert await dispatcher.call_one("encode", "again") == {"replica": 0}
+        assert [m for m, _ in replicas[1].served] == ["encode", "classify", "score"]
+        assert sup.state[2] != "serving"
 
     asyncio.run(run())

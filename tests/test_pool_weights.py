@@ -115,11 +115,11 @@ def test_every_replica_commits_one_label():
     async def run() -> None:
         replicas, sup, weights = _pool()
         await sup.start_all()
-        assert (await _disk(weights, "/ckpt/a"))["weight_version"] == "default+1"
+        assert (await _disk(weights, "/ckpt/a"))["weight_version"] == "default"  # label kept
         assert (await _disk(weights, "/ckpt/b", "step-1"))["weight_version"] == "step-1"
-        assert (await _disk(weights, "/ckpt/c"))["weight_version"] == "step-1+1"
+        assert (await _disk(weights, "/ckpt/c"))["weight_version"] == "step-1"
         assert {(r.weights, r.version, r.paused) for r in replicas} == {
-            ("/ckpt/c", "step-1+1", False)
+            ("/ckpt/c", "step-1", False)
         }
 
     asyncio.run(run())

@@ -305,7 +305,7 @@ def test_every_update_path_reaches_both_ranks(engine, expected, tiny_qwen3, tiny
         for s in per_rank:
             s.close()
     assert _greedy(engine) == expected["perturbed"]
-    assert engine.get_weight_version() == "tensor+1"
+    assert engine.get_weight_version() == "tensor"  # unnamed: the label is kept
 
     assert engine.update_weights_from_disk(tiny_qwen3, weight_version="disk")["success"]
     assert _greedy(engine) == expected["base"]

@@ -5,12 +5,16 @@ torch-memory-saver. Outputs against transformers on the GPU."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
+import io
 import random
 import socket
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 from transformers import AutoModelForCausalLM
 
 from rollout import RolloutEngine
@@ -75,6 +79,39 @@ def test_cuda_ipc_handoff_matches_transformers(tiny_qwen3, tiny_qwen3_perturbed)
         assert _greedy(engine) == expected
 
 
+def _rebuild_cuda_tensor_modified(*args):  # the name SGLang's serializer pickles CUDA tensors by
+    raise AssertionError("the engine resolves this name to its own rebuild, never to this")
+
+
+class _SGLangPickler(ForkingPickler):
+    """SGLang's MultiprocessingSerializer after its torch patch: CUDA tensors name their GPU by
+    UUID, through `_rebuild_cuda_tensor_modified`."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            _, args = reduce_tensor(obj)
+            uuid = str(torch.cuda.get_device_properties(args[6]).uuid)
+            return _rebuild_cuda_tensor_modified, (*args[:6], uuid, *args[7:])
+        return NotImplemented
+
+
+def test_sglang_serialized_cuda_tensors_match_transformers(tiny_qwen3, tiny_qwen3_perturbed):
+    perturbed = _hf(tiny_qwen3_perturbed)
+    expected = _hf_greedy(perturbed)
+    named = [(n, p.detach()) for n, p in perturbed.named_parameters()]
+    with RolloutEngine(tiny_qwen3, dtype="float32", device="cuda") as engine:
+        base = _greedy(engine)
+        for pickler in (ForkingPickler, _SGLangPickler):
+            buf = io.BytesIO()
+            pickler(buf).dump(named)
+            payload = base64.b64encode(buf.getvalue()).decode()
+            success, message = engine.update_weights_from_tensor([payload], weight_version="sg")
+            assert success, message
+            assert _greedy(engine) == expected
+            engine.update_weights_from_disk(tiny_qwen3)
+            assert _greedy(engine) == base
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_nccl_between_two_gpus_matches_transformers(tiny_qwen3, tiny_qwen3_perturbed):
     trainer_model = _hf(tiny_qwen3_perturbed, "cuda:1")
@@ -98,8 +135,11 @@ def test_nccl_with_the_trainer_on_the_engines_gpu_is_a_clear_error(tiny_qwen3, t
     with RolloutEngine(tiny_qwen3, dtype="float32", device="cuda:0") as engine:
         before = _greedy(engine)
         sender = WeightSender(engine, method="distributed")
+        # SGLang's rendezvous has no handshake of ours: NCCL finds the shared GPU when its
+        # communicator forms, at the first broadcast.
+        sender.init_group("127.0.0.1", _free_port(), backend="nccl", timeout_s=30, device="cuda:0")
         with pytest.raises(ValueError, match="same GPU.*update_weights_from_tensor"):
-            sender.init_group("127.0.0.1", _free_port(), backend="nccl", timeout_s=30, device="cuda:0")
+            sender.push(_hf(tiny_qwen3_perturbed, "cuda:0"), weight_version="never")
         sender.close()
         assert _greedy(engine) == before
         assert engine.get_weight_version() == "default"

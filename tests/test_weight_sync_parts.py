@@ -22,7 +22,7 @@ from rollout.weight_sync.flat_bucket import FlatBucket
 from rollout.weight_sync.specs import WeightSpec, build_specs, check_against_model
 from rollout.weight_sync.tensor_handles import TensorHandles, open_tensors, share_tensors
 from rollout.weight_sync.transaction import WeightTransaction
-from rollout.weight_sync.update_group import UpdateGroup, WeightSyncError, check_distinct_gpus
+from rollout.weight_sync.update_group import UpdateGroup, WeightSyncError
 from rollout.weight_sync.versions import VersionLabels
 
 
@@ -189,12 +189,11 @@ def test_kv_from_older_weights_is_never_matched_again():
     assert kv.is_whole() and kv.allocator.available() == 256
 
 
-def test_version_labels_name_unnamed_updates_after_the_last_named_one():
+def test_version_labels_keep_the_last_named_label_for_unnamed_updates():
     labels = VersionLabels()
-    assert labels.publish(None) == "default+1"
-    assert labels.publish(None) == "default+2"
+    assert labels.publish(None) == "default"  # as SGLang: an update without a name keeps it
     assert labels.publish("step-3") == "step-3"
-    assert labels.publish(None) == "step-3+1" == labels.current
+    assert labels.publish(None) == "step-3" == labels.current
 
 
 def test_joining_a_group_nobody_hosts_fails_within_its_timeout():
@@ -205,40 +204,76 @@ def test_joining_a_group_nobody_hosts_fails_within_its_timeout():
     assert time.monotonic() - start < 10
 
 
-@pytest.mark.parametrize("uuids", [("gpu-a", "gpu-b"), ("gpu-a", "gpu-a")], ids=["distinct", "shared"])
-def test_nccl_ranks_compare_their_gpus_before_joining(uuids, monkeypatch):
-    # Each rank publishes its GPU's UUID in the group's store; two ranks on one GPU both get a
-    # clear error (NCCL itself would fail later, or hang), distinct GPUs pass.
-    import datetime
-    import threading
+def test_a_flattened_bucket_is_one_broadcast_of_every_tensors_bytes():
+    """SGLang's flattened_bucket wire format: one uint8 broadcast, tensors back to back with no
+    padding (so a float32 may start at an odd byte: it is copied out, not viewed)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    import torch.distributed as dist
+    from rollout.weight_sync import distributed_source
 
-    port = free_port()
-    timeout = datetime.timedelta(seconds=20)
-    stores = [
-        dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False),
-        dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout),
+    named = [
+        ("a", torch.randn(3, dtype=torch.bfloat16)),  # 6 bytes: what follows is unaligned
+        ("b", torch.randn(2, 5)),
+        ("c", torch.arange(4, dtype=torch.int64)),
     ]
-    devices = {"cuda:0": uuids[0], "cuda:1": uuids[1]}
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda d: type("Props", (), {"uuid": devices[str(d)]})
-    )
-    errors: dict[int, str] = {}
-
-    def join(rank: int) -> None:
+    specs = [WeightSpec(n, tuple(t.shape), t.dtype) for n, t in named]
+    units = distributed_source.broadcast_units(specs, "flattened_bucket")
+    assert units == [specs]
+    wire = distributed_source.flatten([t for _, t in named], torch.device("cpu"))
+    assert wire.dtype == torch.uint8 and wire.numel() == sum(s.nbytes for s in specs)
+    port = free_port()
+    with ThreadPoolExecutor(1) as pool:
+        engine = pool.submit(UpdateGroup.join, "127.0.0.1", port, 1, 2, "bucket", "gloo", 20)
+        trainer = UpdateGroup.join("127.0.0.1", port, 0, 2, "bucket", "gloo", 20)
+        engine = engine.result()
         try:
-            check_distinct_gpus(stores[rank], rank, 2, torch.device(f"cuda:{rank}"))
-        except ValueError as e:
-            errors[rank] = str(e)
+            got = pool.submit(lambda: list(distributed_source.receive(engine, units, "flattened_bucket")))
+            distributed_source.send(trainer, named, "flattened_bucket")
+            received = got.result(timeout=20)
+        finally:
+            trainer.close()
+            engine.close()
+    assert [n for n, _ in received] == ["a", "b", "c"]
+    assert all(torch.equal(t, dict(named)[n]) for n, t in received)
 
-    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    if uuids[0] != uuids[1]:
-        assert errors == {}
-    else:
-        assert sorted(errors) == [0, 1]
-        assert all("same GPU" in e and "update_weights_from_tensor" in e for e in errors.values())
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((b"/tmp/torch-shm-dir-x/manager.sock", b"/some-other-processes-block", 8), "must be torch's"),
+        ((b"/run/some.sock", b"/torch_1_2_3", 8), "torch's shm manager"),
+    ],
+)
+def test_allowed_rebuilds_check_their_arguments(args, message):
+    """A payload may name torch's rebuild of a shared-memory storage, but only of torch's own
+    blocks through torch's own manager: not any shared memory or socket of the host."""
+    import io
+    import pickle
+
+    from torch.multiprocessing.reductions import rebuild_storage_filename
+
+    from rollout.weight_sync.serialized_tensors import load_named_tensors
+
+    class Storage:
+        def __reduce__(self):
+            return rebuild_storage_filename, (torch.UntypedStorage, *args)
+
+    buf = io.BytesIO()
+    pickle.Pickler(buf).dump([("model.norm.weight", Storage())])
+    with pytest.raises(ValueError, match=message):
+        load_named_tensors(buf.getvalue(), None)
+
+
+def test_engine_answers_are_sglangs_tuples_that_still_read_as_the_dict():
+    import pickle
+
+    from rollout.weight_sync.results import of
+
+    info = {"success": True, "message": "loaded 3 weights", "weight_version": "v2"}
+    success, message, paused = of(info, paused_count=True)  # update_weights_from_disk's shape
+    assert (success, message, paused) == (True, "loaded 3 weights", 0)
+    result = of(info)
+    assert tuple(result) == (True, "loaded 3 weights")
+    assert result["weight_version"] == "v2" and "weight_version" in result
+    assert {**result} == dict(result) == info == result.info
+    assert pickle.loads(pickle.dumps(result)).info == info  # crosses to a Ray pool as itself

@@ -21,6 +21,9 @@ spread over the replicas, every push reaches all of them at once, and a replica 
 restarted with the trainer's current weights. On one GPU, give each replica its share of the
 memory: --replicas 2 --engine-option mem_fraction=0.4.
 
+With --lora-rank R the policy is a LoRA adapter of rank R trained with PEFT (lora_policy.py):
+the engine serves it as adapter "policy" and each step's push sends the adapter alone.
+
 Run with --help for every flag. The run's offline wandb run and a PNG of reward and logprob gap
 per step go to --log-dir (default ./runs/grpo-<date>-<time>; run_log.py). Ends by printing one
 JSON line (steps, first_reward, final_reward, mean_logprob_gap, ...).
@@ -42,6 +45,7 @@ from example_setup import (
     resolve_devices,
     sampling_params,
 )
+from lora_policy import adapter_engine, add_lora_arguments, check_lora_arguments, wrap_policy
 from rollout_batch import (
     RolloutBatch,
     TokenBatch,
@@ -77,9 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ray-address", help="with --replicas: the Ray cluster to join (default: start one)"
     )
+    add_lora_arguments(parser)
     args = parser.parse_args(argv)
     if args.replicas < 0:
         raise SystemExit(f"--replicas must be >= 0, got {args.replicas}")
+    check_lora_arguments(args, DEFAULTS["lr"])
     resolve_devices(args)
     return args
 
@@ -123,6 +129,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     with checkpoint(args) as model_path:
         policy = load_policy(model_path, args.trainer_device, args.trainer_dtype)
+        if args.lora_rank:  # a LoRA policy: the engine serves its adapter (lora_policy.py)
+            policy = wrap_policy(policy, args)
+            with adapter_engine(model_path, policy, engine_options(args), args.lora_rank) as engine:
+                return train(args, engine, policy)
         with make_engine(args, model_path, policy) as engine:
             return train(args, engine, policy)
 
@@ -131,7 +141,8 @@ def train(args: argparse.Namespace, engine: Any, policy: torch.nn.Module) -> dic
     from rollout.weight_sync.sender import WeightSender
 
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    sender = WeightSender(engine, method="tensor", bucket_bytes=args.bucket_mb << 20)
+    sender = WeightSender(engine, method="tensor", bucket_bytes=args.bucket_mb << 20,
+                          lora_name=getattr(engine, "lora_name", None))  # fmt: skip
     task = DigitTask(engine.tokenizer)
     log = RunLog("grpo", vars(args), args.log_dir, use_wandb=not args.no_wandb)
     token_loss = functools.partial(ppo_clip_loss, clip=args.clip)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rollout.control import ControlCall
+from rollout.engine.lora_calls import LORA_CALLS
 from rollout.engine.messages import AbortRequest
 from rollout.weight_sync.calls import WEIGHT_CALLS
 
@@ -37,5 +38,6 @@ class Shutdown(ControlCall):
 
 
 CALLS: dict[str, type[ControlCall]] = {
-    call.method: call for call in (FlushCache, GetServerInfo, Shutdown, AbortRequest, *WEIGHT_CALLS)
+    call.method: call
+    for call in (FlushCache, GetServerInfo, Shutdown, AbortRequest, *WEIGHT_CALLS, *LORA_CALLS)
 }

@@ -20,15 +20,17 @@ from typing import Any
 from rollout.config import EngineOptions
 from rollout.control import ControlCall, control_method
 from rollout.control_api import ControlAPI
-from rollout.engine import embedding_requests, loop_streams
+from rollout.engine import embedding_requests, indexed_streams, loop_streams
 from rollout.engine.control_calls import FlushCache, GetServerInfo
 from rollout.engine.messages import AbortRequest, TokenizedRequest
 from rollout.engine.processes import Addresses, start_process, stop_process
 from rollout.engine.request_limits import RequestLimits
 from rollout.engine.request_validation import build_inputs
+from rollout.engine.session_params import with_session
 from rollout.errors import InvalidRequest
 from rollout.generate_request import GenerateRequest, takes_generate_request
 from rollout.weight_sync import calls
+from rollout.weight_sync.results import sglang_shaped
 
 # HF fast tokenizers release the GIL while they encode: a few threads tokenize in parallel.
 TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
@@ -100,6 +102,8 @@ class RolloutEngine(ControlAPI):
     def generate(self, request: GenerateRequest) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a list (or n > 1) a list of dicts, stream=True an iterator."""
         inputs, batched = self._inputs(request)
+        if request.stream and batched:  # every sample streamed, its outputs with an index
+            return loop_streams.to_thread(self._loop, lambda: indexed_streams.merge(self._tm, inputs))
         if request.stream:
             return self._stream_sync(inputs[0])
         results = self._call(self._gather(inputs))
@@ -111,6 +115,8 @@ class RolloutEngine(ControlAPI):
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate, awaited; with stream=True, an async iterator. Cancelling aborts."""
         inputs, batched = await self.run_in_worker(self._inputs, request)
+        if request.stream and batched:  # every sample streamed, its outputs with an index
+            return loop_streams.to_loop(self._loop, lambda: indexed_streams.merge(self._tm, inputs))
         if request.stream:
             return self._stream_async(inputs[0])
         results = await asyncio.wrap_future(
@@ -131,7 +137,29 @@ class RolloutEngine(ControlAPI):
                 "this engine serves embeddings (is_embedding=True): use encode, classify or score, "
                 "or start it without is_embedding to generate"
             )
-        return build_inputs(self.tokenizer, self.limits, request)
+        # Built as unstreamed, then marked: a batch or n > 1 streams each of its samples.
+        inputs, batched = build_inputs(self.tokenizer, self.limits, replace(request, stream=False))
+        if request.stream:
+            inputs = [replace(inp, stream=True) for inp in inputs]
+        if request.session_params is not None:
+            from_text = request.prompt is not None
+            inputs = with_session(self.tokenizer, request.session_params, from_text, inputs)
+        return inputs, batched
+
+    # ---- sessions (token in / token out multi-turn; see sessions.py) -----------------------
+    def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:
+        """Opens a session; returns its id (session_id, or a fresh one). A request with
+        session_params={"id": it, "rid": an earlier turn's rid} runs on that turn's prompt and
+        output ids followed by its own input, reusing the turn's KV, which the session keeps
+        cached until close_session. capacity_of_str_len: the most tokens a turn may hold."""
+        self._check_open()
+        return self._call(self._tm.open_session(capacity_of_str_len, session_id))
+
+    def close_session(self, session_id: str) -> None:
+        """Closes the session: its running turns are aborted and the KV it kept is unpinned.
+        An id that is not open raises InvalidRequest."""
+        self._check_open()
+        self._call(self._tm.close_session(session_id))
 
     # ---- embeddings, rewards and label scores (see embedding_requests.py) -------------------
     def encode(
@@ -224,17 +252,26 @@ class RolloutEngine(ControlAPI):
     def update_weights_from_tensor(
         self, named_tensors: calls.NamedTensors, load_format: str | None = None,
         flush_cache: bool = True, weight_version: str | None = None,
+        lora_name: str | None = None,
     ) -> dict:  # fmt: skip
         """Loads tensors of this process (list of (name, tensor) or dict; FlatBucket(s) with
         load_format="flattened_bucket"), or TensorHandles, all or none. Only CUDA IPC handles
         or shared-memory names reach the scheduler; the tensors must not change until this returns."""
         self._check_open()
-        args = named_tensors, load_format, flush_cache, weight_version
+        args = named_tensors, load_format, flush_cache, weight_version, lora_name
         with calls.UpdateWeightsFromTensor.shared(*args) as call:
             return self.control(call)
 
     # allowed_roots: every file read must resolve under one of these (else PermissionError).
     update_weights_from_disk = control_method(calls.UpdateWeightsFromDisk)
+
+    # SGLang's return shapes: (success, message), (success, message, num_paused_requests) for
+    # disk; the whole answer is the result's `.info`, also read by key (weight_sync/results.py).
+    init_weights_update_group = sglang_shaped(ControlAPI.init_weights_update_group)
+    destroy_weights_update_group = sglang_shaped(ControlAPI.destroy_weights_update_group)
+    update_weights_from_distributed = sglang_shaped(ControlAPI.update_weights_from_distributed)
+    update_weights_from_tensor = sglang_shaped(update_weights_from_tensor)
+    update_weights_from_disk = sglang_shaped(update_weights_from_disk, paused_count=True)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first truncate_size rows of a weight (HF name), as float lists."""

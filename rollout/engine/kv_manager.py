@@ -10,6 +10,7 @@ import torch
 
 from rollout.engine.radix_cache import RadixCache
 from rollout.engine.req import Req
+from rollout.engine.session_pins import SessionPins
 from rollout.forward.kv_pool import ReqToTokenPool, SlotAllocator
 
 
@@ -23,6 +24,7 @@ class KVManager:
         # lock parts of them, and which of those caches each such request's row belongs to.
         self.stale_caches: list[RadixCache] = []
         self._stale_rows: dict[int, RadixCache] = {}
+        self.pins = SessionPins(num_slots)  # open sessions' finished turns, kept cached
 
     def free_slots(self) -> int:
         """Slots obtainable now, evicting unlocked cache entries if need be."""
@@ -34,7 +36,7 @@ class KVManager:
         row = self.req_to_token.allocate()
         if row is None:
             return False
-        match = self.cache.match_prefix(req.ids[: req.max_cacheable_prefix()])
+        match = self.cache.match_prefix(req.ids[: req.max_cacheable_prefix()], req.cache_namespace)
         self.cache.lock(match.node)
         req.row, req.locked_node = row, match.node
         req.prefix_len = req.kv_len = len(match.slots)
@@ -78,7 +80,9 @@ class KVManager:
             return  # the request keeps owning all its (new) slots
         tokens = req.ids[: req.kv_len]
         slots = self.req_to_token.read(req.row, 0, req.kv_len)
-        match = self.cache.cache_unfinished(tokens, slots, req.locked_node, req.prefix_len)
+        match = self.cache.cache_unfinished(
+            tokens, slots, req.locked_node, req.prefix_len, req.cache_namespace
+        )
         self.req_to_token.write(req.row, 0, match.slots)
         req.locked_node = match.node
         req.prefix_len = req.kv_len
@@ -109,13 +113,19 @@ class KVManager:
         else:
             tokens = req.ids[: req.kv_len]
             slots = self.req_to_token.read(req.row, 0, req.kv_len)
-            self.cache.cache_finished(tokens, slots, req.locked_node, req.prefix_len)
+            self.cache.cache_finished(
+                tokens, slots, req.locked_node, req.prefix_len, req.cache_namespace
+            )
+            if req.finished and req.req.session_params is not None:
+                sid = req.req.session_params.id
+                self.pins.pin(self.cache, sid, tokens, req.cache_namespace)
         self.req_to_token.free(req.row)
         req.row, req.locked_node = None, None
         req.prefix_len = req.kv_len = 0
 
     def flush(self) -> None:
         """Drops the whole prefix cache. Only when no request holds KV."""
+        self.pins.unpin_all(self.cache)
         self.cache.reset()
 
     def invalidate_cache(self, live: list[Req]) -> None:
@@ -123,6 +133,7 @@ class KVManager:
         cache starts empty; what the old one held is freed, except prefixes that `live` requests
         lock: those stay until the request releases them, and nothing a live request computed
         (before or after this call) is cached again."""
+        self.pins.unpin_all(self.cache)  # sessions never reuse KV of older weights
         old = self.cache
         self.cache = RadixCache(self.allocator, disable=old.disable)
         if old.disable:
@@ -133,6 +144,10 @@ class KVManager:
         old.evict(old.evictable_size())
         if old.total_size():
             self.stale_caches.append(old)
+
+    def close_session(self, session_id: str) -> None:
+        """The session's finished turns' KV is no longer kept: it stays cached, evictable."""
+        self.pins.unpin(self.cache, session_id)
 
     def _stale_size(self) -> int:
         return sum(c.total_size() for c in self.stale_caches)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from rollout.control import ControlCall, check_bool
 from rollout.engine.sampling_params import SamplingParams
+from rollout.engine.session_params import SessionParams
 from rollout.errors import ControlError, InvalidRequest, InvalidRequestType
 
 CONTROL_TAG = b"control"
@@ -46,20 +47,31 @@ class TokenizedRequest:
     return_text_in_logprobs: bool = False
     # The tokens the context leaves after the prompt, where fewer than params.max_new_tokens.
     max_new_tokens_capped: int | None = None
+    # A turn of an open session (session_params.py). The tokenizer manager puts the session's
+    # earlier tokens before input_ids; the scheduler keeps the finished turn's KV cached.
+    session_params: SessionParams | None = None
+    # The LoRA adapter the request runs on, by name (None: the base model).
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
 class AbortRequest(ControlCall):
-    """Ends one request (by rid), or every request; sent without waiting for a reply."""
+    """Ends one request (by rid), or every request; sent without waiting for a reply. With
+    session_id (close_session): ends that session's requests and unpins its KV."""
 
     method: ClassVar[str] = "abort_request"
     rid: str | None = None
     abort_all: bool = False
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.rid is not None and not isinstance(self.rid, str):
             raise InvalidRequestType(f"rid must be a string, got {type(self.rid).__name__}")
-        if not check_bool(self.abort_all, "abort_all") and self.rid is None:
+        if self.session_id is not None and not isinstance(self.session_id, str):
+            raise InvalidRequestType(
+                f"session_id must be a string, got {type(self.session_id).__name__}"
+            )
+        if not check_bool(self.abort_all, "abort_all") and self.rid is None and not self.session_id:
             raise InvalidRequest("give rid, or abort_all: true")
 
 

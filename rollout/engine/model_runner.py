@@ -15,6 +15,7 @@ from rollout.engine.cuda_graph_runner import CudaGraphRunner
 from rollout.engine.device_ints import to_device
 from rollout.engine.launched_step import LaunchedStep, LogitRow, ReqStepOutput
 from rollout.engine.logprob_head import LogprobHead
+from rollout.engine.lora_manager import LoraManager
 from rollout.engine.pooling_head import PoolingHead
 from rollout.engine.req import Req, ScheduleBatch
 from rollout.engine.sampling_head import SamplingHead
@@ -85,6 +86,13 @@ class ModelRunner:
             self.req_to_token.max_reqs, dtype=torch.int64, device=self.device
         )
         self._init_attention(options, num_kv_heads, head_dim)
+        # The adapter slots: the layers add each row's adapter delta (enable_lora).
+        self.lora: LoraManager | None = None
+        if options.lora.enable_lora:
+            if tp.size > 1:
+                raise ValueError("enable_lora with tp_size > 1 is not supported yet")
+            use_kernels = self.device.type == "cuda"
+            self.lora = LoraManager(self.model, options.lora, use_kernels)
         # The heads turn a step's final hidden states into its outputs.
         self.sampling_head = SamplingHead(eos_token_ids, self.last_token, self.kernel_plan)
         self.logprob_head = LogprobHead(self.device)
@@ -150,6 +158,8 @@ class ModelRunner:
             self.step_sender.send(batch)
         decode = batch.mode is ForwardMode.DECODE
         fb, hidden_rows, rows = self._build_decode(batch) if decode else self._build_extend(batch)
+        if self.lora is not None:
+            self.lora.prepare([req.req.lora_name for req in batch.reqs], fb.extend_lens_cpu)
         hidden = self._run_model(fb)
         step = LaunchedStep(batch, rows, [ReqStepOutput() for _ in batch.reqs])
         if not decode:

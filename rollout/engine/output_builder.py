@@ -26,6 +26,7 @@ def build_output(
 ) -> dict[str, Any]:
     """`total`: every output of `req` so far, extended into one. `text_of` fills in the text
     of each logprob entry (return_text_in_logprobs)."""
+    changes = total.weight_version_changes or ()
     meta: dict[str, Any] = {
         "id": total.rid,
         "prompt_tokens": total.prompt_tokens,
@@ -35,12 +36,16 @@ def build_output(
         "weight_version": total.weight_version,
         # Where the weights changed under this request (updates while it ran): an entry
         # {"offset": k, "weight_version": v} means output_ids[k:] came from version v on.
-        "weight_version_changes": list(total.weight_version_changes or ()),
+        "weight_version_changes": [
+            {"offset": c["offset"], "weight_version": c["weight_version"]} for c in changes
+        ],
+        # SGLang's view of the same: the labels over output positions [start, end).
+        "weight_versions": version_spans(changes, total.weight_version, len(total.new_ids)),
         "e2e_latency": latency,
     }
     if req.embed:
         # SGLang's shape for encode/classify: no text, no completion.
-        for key in ("completion_tokens", "weight_version_changes"):
+        for key in ("completion_tokens", "weight_version_changes", "weight_versions"):
             meta.pop(key)
         return {"embedding": total.embedding, "meta_info": meta}
     if req.max_new_tokens_capped is not None:
@@ -51,3 +56,29 @@ def build_output(
     if req.return_hidden_states:
         meta["hidden_states"] = list(total.hidden_states or ())
     return {"text": total.text, "output_ids": list(total.new_ids), "meta_info": meta}
+
+
+def version_spans(changes: Any, current: str, num_tokens: int) -> list[dict[str, Any]]:
+    """SGLang's `meta_info.weight_versions`: [{"version", "start", "end"}] covering output
+    positions [0, num_tokens) in order, neighbours with different labels, none empty (but the
+    one span of an output with no tokens). `changes` are the scheduler's entries ({"offset",
+    "weight_version", "previous"}), oldest first. An update that kept the label shows in the
+    changes only."""
+    version = changes[0].get("previous", current) if changes else current
+    spans = [{"version": version, "start": 0, "end": num_tokens}]
+    for change in changes:
+        offset, label = min(change["offset"], num_tokens), change["weight_version"]
+        last = spans[-1]
+        if label == last["version"]:
+            continue
+        if offset == last["start"]:  # nothing came from the replaced version
+            last["version"] = label
+            if len(spans) > 1 and spans[-2]["version"] == label:
+                spans.pop()
+                spans[-1]["end"] = num_tokens
+            continue
+        if offset >= num_tokens:  # no token came from `label` (yet): no empty span for it
+            continue
+        last["end"] = offset
+        spans.append({"version": label, "start": offset, "end": num_tokens})
+    return spans

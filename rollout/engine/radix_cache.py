@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -67,20 +68,30 @@ class RadixCache:
         self._clear()
 
     def _clear(self) -> None:
-        self.root = TreeNode([], _EMPTY, None)
+        self.root = TreeNode([], _EMPTY, None)  # the base model's KV
+        # One tree per namespace (a LoRA adapter's KV: rollout/engine/lora_manager.py), so a
+        # prefix computed under one is never matched under another.
+        self.roots: dict[Hashable, TreeNode] = {None: self.root}
         self._evictable = 0
         self._protected = 0
 
     # ---- lookup -------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: list[int]) -> MatchResult:
-        """Longest cached prefix of `tokens`. Splits a node when the match ends inside it, so the
-        returned node covers exactly the match; refreshes the access time along the path. The
-        slots stay valid only while the node is locked (or until the next evict)."""
+    def _root(self, namespace: Hashable) -> TreeNode:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = TreeNode([], _EMPTY, None)
+        return root
+
+    def match_prefix(self, tokens: list[int], namespace: Hashable = None) -> MatchResult:
+        """Longest cached prefix of `tokens` in `namespace`'s tree. Splits a node when the match
+        ends inside it, so the returned node covers exactly the match; refreshes the access
+        time along the path. The slots stay valid only while the node is locked (or until the
+        next evict)."""
         if self.disable:
             return MatchResult(_EMPTY.clone(), self.root)
         stamp = next(self._clock)
-        node, i, values = self.root, 0, []
+        node, i, values = self._root(namespace), 0, []
         while i < len(tokens) and (child := node.children.get(tokens[i])) is not None:
             n = _common_len(child.key, tokens[i:])
             partial = n < len(child)
@@ -96,7 +107,7 @@ class RadixCache:
 
     def lock(self, node: TreeNode) -> None:
         """Pins `node` and its ancestors against eviction. O(depth)."""
-        while node is not self.root:
+        while node.parent is not None:  # a tree's root holds nothing
             if node.lock_ref == 0:
                 self._evictable -= len(node)
                 self._protected += len(node)
@@ -105,7 +116,7 @@ class RadixCache:
 
     def unlock(self, node: TreeNode) -> None:
         """Undoes one `lock(node)`."""
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 raise RuntimeError("unlock of a radix-cache node that is not locked")
             node.lock_ref -= 1
@@ -117,8 +128,9 @@ class RadixCache:
     # ---- insertion ----------------------------------------------------------------------
 
     def cache_finished(
-        self, tokens: list[int], slots: torch.Tensor, locked: TreeNode, prefix_len: int
-    ) -> None:
+        self, tokens: list[int], slots: torch.Tensor, locked: TreeNode, prefix_len: int,
+        namespace: Hashable = None,
+    ) -> None:  # fmt: skip
         """A finished (or aborted) request hands over its KV: tokens[i] has KV at slots[i].
         slots[:prefix_len] are the tree-owned slots of its locked match (`locked`); the rest are
         the request's. Afterwards the request owns nothing: its slots are in the tree or freed
@@ -128,13 +140,14 @@ class RadixCache:
         if self.disable:
             self.allocator.free(slots[prefix_len:])
             return
-        _, present = self._insert(tokens, slots)
+        _, present = self._insert(tokens, slots, namespace)
         self.allocator.free(slots[prefix_len:present])
         self.unlock(locked)
 
     def cache_unfinished(
-        self, tokens: list[int], slots: torch.Tensor, locked: TreeNode, prefix_len: int
-    ) -> MatchResult:
+        self, tokens: list[int], slots: torch.Tensor, locked: TreeNode, prefix_len: int,
+        namespace: Hashable = None,
+    ) -> MatchResult:  # fmt: skip
         """A running request (a prefill chunk done) hands over the KV computed so far, as in
         `cache_finished`, but keeps it: the result holds the tree's slots for all of `tokens`
         (write them back to the request's row, since duplicates were freed) and the new
@@ -144,19 +157,21 @@ class RadixCache:
             raise ValueError(f"{len(tokens)} tokens but {slots.numel()} slots")
         if self.disable:
             return MatchResult(slots, self.root)
-        node, present = self._insert(tokens, slots)
+        node, present = self._insert(tokens, slots, namespace)
         self.allocator.free(slots[prefix_len:present])
         self.lock(node)
         self.unlock(locked)
         return MatchResult(self._path_slots(node), node)
 
-    def _insert(self, tokens: list[int], slots: torch.Tensor) -> tuple[TreeNode, int]:
+    def _insert(
+        self, tokens: list[int], slots: torch.Tensor, namespace: Hashable
+    ) -> tuple[TreeNode, int]:
         """Adds tokens -> slots where absent. Returns the node ending exactly at len(tokens) and
         how many leading tokens were already cached (the tree keeps its own slots for those)."""
         # NOTE: a request's locked prefix is in the tree, so `present` >= its prefix_len and the
         # request's slots[:prefix_len] (tree-owned) are never among those freed by the caller.
         stamp = next(self._clock)
-        node, i = self.root, 0
+        node, i = self._root(namespace), 0
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
@@ -184,7 +199,7 @@ class RadixCache:
 
     def _path_slots(self, node: TreeNode) -> torch.Tensor:
         values = []
-        while node is not self.root:
+        while node.parent is not None:
             values.append(node.value)
             node = node.parent
         return torch.cat(values[::-1]) if values else _EMPTY.clone()
@@ -209,13 +224,13 @@ class RadixCache:
             del parent.children[leaf.key[0]]
             # NOTE: an unlocked node's descendants are all unlocked, so a parent left childless
             # is evictable iff it is itself unlocked.
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return freed
 
     def _nodes(self) -> list[TreeNode]:
-        """Every node but the root."""
-        out, stack = [], list(self.root.children.values())
+        """Every node but the roots."""
+        out, stack = [], [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)

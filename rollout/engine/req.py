@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from rollout.engine.grammar_matcher import RequestGrammar
 from rollout.engine.messages import DecodeParams, LogprobColumns, ReqOutput, TokenizedRequest
 from rollout.engine.radix_cache import TreeNode
 from rollout.forward.forward_batch import ForwardMode
@@ -42,6 +44,13 @@ class Req:
     # penalties)? Then each token must be on the host before the next one is sampled. Read
     # once from the params (they never change): the scheduler asks every step.
     penalizes: bool = field(init=False)
+    # Where the output stands in the request's grammar (json_schema, regex, ...): set once the
+    # grammar is compiled, before the request is first scheduled. Its mask reads the tokens so
+    # far, so a request with a grammar `penalizes` too.
+    grammar: RequestGrammar | None = None
+    # The prefix-cache tree its KV belongs to: None for the base model, its LoRA adapter's
+    # (name, load) otherwise (rollout/engine/lora_manager.py).
+    cache_namespace: Hashable = None
 
     def __post_init__(self) -> None:
         if self.req.return_logprob:
@@ -50,6 +59,8 @@ class Req:
         self.penalizes = (
             p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
         )
+        if p.grammar is not None:
+            self.penalizes = True
 
     @property
     def rid(self) -> str:

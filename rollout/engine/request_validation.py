@@ -96,14 +96,24 @@ def build_inputs(
         stream=request.stream,
         return_text_in_logprobs=request.return_text_in_logprobs,
     )
+    loras = _per_prompt(request.lora_path, len(prompts), "lora_path")
     out = [
         sample
-        for ids, params, rid in zip(ids_list, params_list, rids)
-        for sample in _samples(template, limits, ids, params, rid)
+        for ids, params, rid, lora in zip(ids_list, params_list, rids, loras)
+        for sample in _samples(
+            template if lora is None else replace(template, lora_name=lora), limits, ids, params, rid
+        )
     ]
-    if request.stream and len(out) > 1:
-        raise InvalidRequest("stream=True takes one prompt with n=1; stream each sample separately")
     return out, batched or len(out) > 1
+
+
+def _per_prompt(value: Any, num_prompts: int, name: str) -> list:
+    """A field given once for every prompt, or as a list of one per prompt."""
+    if not isinstance(value, list):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise InvalidRequest(f"{name} has {len(value)} entries for {num_prompts} prompts")
+    return value
 
 
 def _prompts(limits: RequestLimits, request: GenerateRequest) -> tuple[list, bool]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,6 +62,8 @@ class SamplingBatch:
     top_k_max: int  # largest top_k of the rows that use one; 0 if none does
     use_top_p: bool
     use_min_p: bool
+    # logit_bias: [N] rows, [N] ids, [N] float32 values added to those logits; None if unused.
+    bias: tuple[Tensor, Tensor, Tensor] | None = None
 
     @property
     def filtered(self) -> bool:
@@ -116,6 +119,8 @@ class SamplingBatch:
                 sorted({t for t in eos_token_ids + params[i].stop_token_ids if t < V}) for i in ban
             ]
             host["banned"] = _pairs(ban, ban_ids)
+        if any(p.logit_bias for p in params):
+            host["bias_pairs"], host["bias_values"] = _bias_arrays(params, V)
         dev = _to_device({name: a for name, a in host.items() if a is not None}, device)
         ints, floats = dev["ints"], dev["floats"]  # [3, B], [6, B]
         return cls(
@@ -137,6 +142,7 @@ class SamplingBatch:
             top_k_max=int(top_ks.max(initial=0, where=top_ks < V)),
             use_top_p=bool(used[1]),
             use_min_p=bool(used[2]),
+            bias=_with_values(dev.get("bias_pairs"), dev.get("bias_values")),
         )
 
 
@@ -187,6 +193,27 @@ def _unstack(pairs: Tensor | None) -> tuple[Tensor, Tensor] | None:
     return None if pairs is None else (pairs[0], pairs[1])
 
 
+def _bias_arrays(params: list[SamplingParams], vocab_size: int) -> tuple[Any, Any]:
+    """[2, N] int64 (rows, ids) and [N] float32 biases of the rows with a logit_bias; ids
+    outside the vocabulary (refused before a request is queued) are left out."""
+    rows, ids, values = [], [], []
+    for i, p in enumerate(params):
+        for token, value in (p.logit_bias or {}).items():
+            if token < vocab_size:
+                rows.append(i)
+                ids.append(token)
+                values.append(value)
+    if not rows:
+        return None, None
+    return np.array([rows, ids], dtype=np.int64), np.array(values, dtype=np.float32)
+
+
+def _with_values(
+    pairs: Tensor | None, values: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    return None if pairs is None or values is None else (pairs[0], pairs[1], values)
+
+
 _TORCH_DTYPES = {np.int64: torch.int64, np.float32: torch.float32, np.bool_: torch.bool}
 
 
@@ -215,7 +242,8 @@ def _to_device(arrays: dict[str, np.ndarray], device: torch.device | str) -> dic
 def apply_penalties_and_masks(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """logits: [B, V] float32, modified in place and returned. Repetition penalty divides
     positive (multiplies negative) logits of prompt+output tokens; frequency and presence
-    penalties subtract count * f and p from output tokens; banned tokens become -inf."""
+    penalties subtract count * f and p from output tokens; logit biases are added; banned
+    tokens become -inf."""
     if batch.seen is not None:
         rows, ids = batch.seen
         vals = logits[rows, ids]  # [N]; duplicates all write the same value back
@@ -228,6 +256,9 @@ def apply_penalties_and_masks(logits: Tensor, batch: SamplingBatch) -> Tensor:
         present = counts > 0
         logits -= counts.mul_(batch.frequency_penalties)
         logits -= present * batch.presence_penalties
+    if batch.bias is not None:  # before the bans: a bias can't lift a banned token
+        rows, ids, values = batch.bias
+        logits.index_put_((rows, ids), values, accumulate=True)
     if batch.banned is not None:
         logits[batch.banned] = float("-inf")
     return logits

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from rollout.engine.device_ints import to_device
+from rollout.engine.grammar_mask import mask_logits
 from rollout.engine.launched_step import LogitRow
 from rollout.engine.req import Req
 from rollout.engine.sampler import SamplingBatch, sample
@@ -51,9 +52,24 @@ class SamplingHead:
             self.device,
             steps=steps,
         )
+        constrained = [k for k, r in enumerate(sreqs) if r.grammar is not None]
+        if constrained:
+            self._mask_grammars(logits, sreqs, constrained)
         kernel = self.kernel_plan.samples_with_kernel(len(rows), sampling.filtered)
         tokens = sample(logits, sampling, kernel)
         if table_rows is None:
             table_rows = to_device([r.row for r in sreqs], self.device)
         self.last_token[table_rows] = tokens
         return tokens
+
+    @staticmethod
+    def _mask_grammars(logits: torch.Tensor, sreqs: list[Req], constrained: list[int]) -> None:
+        """Forbids, in the rows `constrained`, the tokens their grammars don't allow next (each
+        grammar first takes the request's tokens since its last step: all on the host)."""
+        grammars = []
+        for k in constrained:
+            grammar = sreqs[k].grammar
+            assert grammar is not None
+            grammar.advance(sreqs[k].output_ids)
+            grammars.append(grammar)
+        mask_logits(logits, constrained, grammars)

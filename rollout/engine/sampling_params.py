@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.engine.grammar_spec import GRAMMAR_FIELDS, GrammarSpec, grammar_fields
 from rollout.errors import InvalidRequest
 
 # Every float field must fit in float32, the precision the sampler computes in: a larger value
@@ -48,6 +49,16 @@ class SamplingParams:
     no_stop_trim: bool = False  # keep the matched stop string in the output text
     n: int = 1
     seed: int | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's and SGLang's: keys are
+    # ids, as strings in JSON; values in [-100, 100]). None or {}: no bias.
+    logit_bias: dict[int, float] | None = None
+    # The output must match this grammar (at most one; see rollout.engine.grammar_spec): a
+    # JSON schema (string or object), a regular expression, an xgrammar EBNF grammar with a
+    # `root` rule, or an xgrammar structural tag (JSON). The grammar ends the output with EOS.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, lambda x: x >= 0, ">= 0")
@@ -75,6 +86,8 @@ class SamplingParams:
         _check_int("n", self.n, lambda x: x >= 1, ">= 1")
         if self.seed is not None:
             _check_int("seed", self.seed, lambda x: True, "an int or None")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self._check_grammar()
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -96,6 +109,29 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (lists copied) that `from_dict` turns back into equal params."""
         return dataclasses.asdict(self)
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The grammar the output must match, if any (fields already checked)."""
+        for kind in GRAMMAR_FIELDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return GrammarSpec(kind, text)
+        return None
+
+    def _check_grammar(self) -> None:
+        spec = grammar_fields({name: getattr(self, name) for name in GRAMMAR_FIELDS})
+        if spec is None:
+            return
+        setattr(self, spec.kind, spec.text)  # a JSON schema object becomes its JSON text
+        # The grammar ends the output by allowing only EOS once it is complete.
+        if self.ignore_eos:
+            raise InvalidRequest(f"ignore_eos can't be combined with {spec.kind}")
+        if self.min_new_tokens:
+            raise InvalidRequest(
+                f"min_new_tokens can't be combined with {spec.kind}: the grammar decides where "
+                f"the output ends, got min_new_tokens={self.min_new_tokens}"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -172,3 +208,33 @@ def _token_id_list(ids: Any) -> list[int]:
     ):
         raise InvalidRequest(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
     return list(ids)
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """{token id: bias} from a dict keyed by ids or their decimal strings; None if empty."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequest(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.strip().isdigit():
+            token = int(key)
+        if token is None or token < 0:
+            raise InvalidRequest(f"logit_bias keys must be token ids >= 0, got {key!r}")
+        out[token] = _float(
+            f"logit_bias[{key!r}]", value, lambda x: abs(x) <= MAX_LOGIT_BIAS,
+            f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )  # fmt: skip
+    return out or None
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Every biased id must be in the model's vocabulary."""
+    bad = [t for t in params.logit_bias or () if t >= vocab_size]
+    if bad:
+        raise InvalidRequest(f"logit_bias keys must be ids in [0, {vocab_size}), got {bad[:5]}")

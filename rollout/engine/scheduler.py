@@ -20,8 +20,12 @@ from collections import deque
 
 from rollout.config import EngineOptions
 from rollout.engine.decode_planner import DecodePlanner
+from rollout.engine.grammar_backend import GrammarBackend
+from rollout.engine.grammar_queue import GrammarQueue
 from rollout.engine.kv_manager import KVManager
 from rollout.engine.launched_step import LaunchedStep, ReqStepOutput
+from rollout.engine.lora_calls import LoadLoraAdapter, UnloadLoraAdapter
+from rollout.engine.lora_manager import LoraManager
 from rollout.engine.messages import AbortRequest, ReqOutput, TokenizedRequest, failure_reason
 from rollout.engine.model_runner import ModelRunner
 from rollout.engine.new_token_ratio import NewTokenRatio
@@ -31,6 +35,7 @@ from rollout.engine.result_recorder import ResultRecorder
 from rollout.engine.sampling_params import SamplingParams
 from rollout.engine.step_pipeline import StepPipeline
 from rollout.engine.stop_checker import StopChecker
+from rollout.errors import InvalidRequest
 from rollout.forward.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -49,12 +54,15 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None  # mid-prefill; continues first in the next prefill
         self.weight_version = "default"
+        self.weight_updates = 0  # weight changes committed, named or not (labels may repeat)
         # Why stepping is held (generation paused, memory released, ...): requests wait meanwhile.
         self.holds: set[str] = set()
         ratio = NewTokenRatio(self.options.schedule_conservativeness)
         self.prefill = PrefillPlanner(self.options, self.kv, ratio)
         self.decode = DecodePlanner(self.kv, ratio)
         self.results = ResultRecorder(self.kv, stop_checker)
+        # Requests whose grammar (json_schema, regex, ...) compiles before they may run.
+        self.grammars = GrammarQueue(self._grammar_backend)
         self.pipeline = StepPipeline(
             runner, self.kv, not self.options.disable_overlap_schedule,
             on_launch=self._launched, on_results=self._apply, on_failure=self._fail,
@@ -85,14 +93,47 @@ class Scheduler:
             req = Req(req=TokenizedRequest(treq.rid, [], SamplingParams(), 0), max_new_tokens=0)
             self.results.finish(req, failure_reason("queuing the request", e))
             return
+        if treq.lora_name is not None and not self._on_adapter(req):
+            return
+        if req.req.params.grammar is not None and not treq.embed:
+            self._compile_grammar(req)
+            return
         self.waiting.append(req)
+
+    def _on_adapter(self, req: Req) -> bool:
+        """Gives a request on a LoRA adapter its prefix-cache namespace; refuses it (False)
+        when no adapter of that name is loaded."""
+        try:
+            lora = self._lora()
+            lora.check_request(req.req.lora_name)
+        except InvalidRequest as e:
+            self.results.finish(req, {"type": "invalid_request", "message": str(e)})
+            return False
+        req.cache_namespace = lora.namespace(req.req.lora_name)
+        return True
+
+    def _lora(self) -> LoraManager:
+        if self.runner.lora is None:
+            raise InvalidRequest(
+                "this engine serves no LoRA adapters: start it with enable_lora (or lora_paths)"
+            )
+        return self.runner.lora
+
+    def lora_call(self, call: LoadLoraAdapter | UnloadLoraAdapter) -> dict:
+        """Loads or unloads an adapter between steps (drained by the caller)."""
+        lora = self._lora()
+        if isinstance(call, LoadLoraAdapter):
+            return lora.load(call.lora_name, call.lora_path, call.allowed_roots)
+        return lora.unload(call.lora_name, [r.req.lora_name for r in self._live()])
 
     def abort(self, msg: AbortRequest) -> None:
         self.drain()
         for req in self._live():
-            if msg.abort_all or req.rid == msg.rid:
+            if msg.abort_all or req.rid == msg.rid or _in_session(req, msg.session_id):
                 self.results.finish(req, {"type": "abort", "message": "aborted by request"})
         self._drop_finished()
+        if msg.session_id is not None:  # close_session: its turns are over, its KV unpinned
+            self.kv.close_session(msg.session_id)
 
     def _drop_finished(self) -> None:
         """Takes finished requests out of the queue, the running list and the chunked slot."""
@@ -103,10 +144,11 @@ class Scheduler:
 
     def _live(self) -> list[Req]:
         chunk = [self.chunked] if self.chunked is not None else []
-        return [*self.waiting, *self.running, *chunk]
+        return [*self.waiting, *self.running, *chunk, *self.grammars.reqs()]
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.pipeline.in_flight)
+        busy = self.waiting or self.running or self.chunked or self.pipeline.in_flight
+        return bool(busy or self.grammars)
 
     def can_step(self) -> bool:
         """Would `step` do anything? (A held scheduler still applies the batch in flight.)"""
@@ -124,6 +166,8 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Launches the next batch if there is work, then applies the batch launched by the
         previous step (without overlap: this one). Returns the requests with something to report."""
+        if self.grammars:
+            self._admit_compiled()
         if self.pipeline.must_drain_first():
             self.drain()
         batch = None
@@ -141,6 +185,30 @@ class Scheduler:
     def take_reports(self) -> list[Req]:
         """The requests with something to report since the last call (finished, or streaming)."""
         return self.results.take_reports()
+
+    def _grammar_backend(self) -> GrammarBackend:
+        if self.runner.tp.size > 1:
+            raise InvalidRequest("grammars (json_schema, regex, ...) need tp_size 1 for now")
+        checker = self.stop_checker
+        eos = sorted(checker.eos_token_ids)
+        return GrammarBackend(checker.tokenizer, self.runner.vocab_size, eos)
+
+    def _compile_grammar(self, req: Req) -> None:
+        try:
+            self.grammars.add(req)
+        except InvalidRequest as e:  # the caller's 400: this engine can't constrain outputs
+            self.results.finish(req, {"type": "invalid_request", "message": str(e)})
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            logger.exception("request %s: its grammar could not be compiled", req.rid)
+            self.results.finish(req, failure_reason("compiling its grammar", e))
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the queue; those whose grammar failed end."""
+        idle = not (self.waiting or self.running or self.chunked or self.pipeline.in_flight)
+        ready, failed = self.grammars.take_ready(idle)
+        self.waiting.extend(ready)
+        for req, error in failed:
+            self.results.finish(req, failure_reason("compiling its grammar", error))
 
     def _plan_decode(self) -> ScheduleBatch | None:
         if self.kv.free_slots() < len(self.running):
@@ -185,14 +253,46 @@ class Scheduler:
         for req in self._live():
             if req.output_ids or req.kv_len:
                 change = {"offset": len(req.output_ids), "weight_version": version}
+                change["previous"] = self.weight_version  # for meta_info.weight_versions spans
+                if req.req.lora_name is not None:  # labelled by its adapter's version: kept
+                    change["weight_version"] = change["previous"] = self.version_of(req)
                 req.version_changes.append(change)
         if weights_changed:
             self.kv.invalidate_cache(self._live())
+            self.weight_updates += 1
         self.weight_version = version
+
+    def publish_adapter_version(self, name: str, version: str | None) -> str:
+        """After weight sync wrote new values of LoRA adapter `name`: its label becomes
+        `version` (None: kept) and its KV a new cache namespace. A request on it that already
+        computed something records where the version changed and keeps its KV (as for the
+        base model's updates); one holding no KV (queued, retracted) attaches under the new
+        namespace. Returns the label."""
+        self.drain()
+        lora = self._lora()
+        previous = lora.version_of(name)
+        label = lora.publish(name, version)
+        for req in self._live():
+            if req.req.lora_name != name:
+                continue
+            if req.output_ids or req.kv_len:
+                change = {"offset": len(req.output_ids), "weight_version": label}
+                req.version_changes.append({**change, "previous": previous})
+            if req.row is None:
+                req.cache_namespace = lora.namespace(name)
+        return label
+
+    def version_of(self, req: Req) -> str:
+        """The weight version a request's outputs carry: its LoRA adapter's, else the base
+        model's."""
+        name, lora = req.req.lora_name, self.runner.lora
+        if name is None or lora is None or not lora.is_loaded(name):
+            return self.weight_version
+        return lora.version_of(name)
 
     def make_output(self, req: Req) -> ReqOutput:
         """The request's news since its last output; clears what it reports."""
-        return req.take_output(self.weight_version)
+        return req.take_output(self.version_of(req))
 
     def server_info(self) -> dict:
         return {
@@ -201,8 +301,15 @@ class Scheduler:
             "max_total_tokens": self.runner.num_slots,
             "context_length": self.runner.context_length,
             "weight_version": self.weight_version,
+            "weight_updates": self.weight_updates,
             "kv_whole": not self.has_work() and self.kv.is_whole(),
+            **(self.runner.lora.info() if self.runner.lora is not None else {}),
             "time": time.time(),
             **self.kv.usage(),
             **self.stats,
         }
+
+
+def _in_session(req: Req, session_id: str | None) -> bool:
+    params = req.req.session_params
+    return session_id is not None and params is not None and params.id == session_id

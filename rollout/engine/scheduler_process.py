@@ -17,6 +17,7 @@ import zmq
 from rollout.config import EngineOptions
 from rollout.control import ControlCall
 from rollout.engine.control_calls import CALLS, FlushCache, GetServerInfo, Shutdown
+from rollout.engine.lora_calls import LORA_CALLS
 from rollout.engine.messages import (
     AbortRequest,
     ControlReply,
@@ -133,6 +134,8 @@ class SchedulerProcess:
     def _run(self, call: ControlCall) -> dict | Deferred:
         if isinstance(call, FlushCache):
             return self.scheduler.flush_cache()
+        if isinstance(call, LORA_CALLS):
+            return self.scheduler.lora_call(call)
         if isinstance(call, GetServerInfo):
             ranks = [rank_memory(self.runner)]
             if self.ranks is not None:

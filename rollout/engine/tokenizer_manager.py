@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from rollout.control import ControlCall
-from rollout.engine.control_calls import Shutdown
+from rollout.engine.control_calls import GetServerInfo, Shutdown
 from rollout.engine.messages import (
     AbortRequest,
     ControlReply,
@@ -34,7 +34,15 @@ from rollout.engine.messages import (
 from rollout.engine.output_builder import TokenText, build_output
 from rollout.engine.processes import Addresses
 from rollout.engine.request_validation import validate_for_model
+from rollout.engine.sampling_params import check_logit_bias
+from rollout.engine.sessions import SessionBook
 from rollout.errors import InvalidRequest
+from rollout.weight_sync.calls import (
+    ContinueGeneration,
+    DiscardStagedWeights,
+    UpdateWeightsFromDisk,
+    UpdateWeightVersion,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +85,9 @@ class TokenizerManager:
         self.calls: dict[int, asyncio.Future] = {}
         self.info: dict[str, Any] = {}
         self.dead: str | None = None
+        self._staged_model_path: str | None = None
         self._loop_task: asyncio.Task | None = None
+        self.sessions = SessionBook()
 
     async def start(self) -> dict[str, Any]:
         """Waits for the scheduler to load the model; raises its error if it fails."""
@@ -102,11 +112,19 @@ class TokenizerManager:
         or one per update when streaming. Cancelling the consumer aborts the request."""
         self._check_alive()
         validate_for_model(inp, self.info["vocab_size"], self.info["context_length"])
+        check_logit_bias(inp.params, self.info["vocab_size"])
         rid = inp.rid or uuid.uuid4().hex
         if rid in self.states:
             raise InvalidRequest(f"rid {rid!r} is already in use by a running request")
         seed = inp.params.seed if inp.params.seed is not None else self.next_seed()
         treq = replace(inp, rid=rid, seed=seed)
+        if treq.session_params is not None:  # the session's earlier tokens, then this turn's
+            treq = self.sessions.begin_turn(treq)
+            try:
+                validate_for_model(treq, self.info["vocab_size"], self.info["context_length"])
+            except InvalidRequest:
+                self.sessions.end_turn(treq, None)
+                raise
         state = self.states[rid] = ReqState()
         total: ReqOutput | None = None  # every output so far, extended into the first
         finished = False
@@ -117,6 +135,8 @@ class TokenizerManager:
                 if isinstance(item, BaseException):
                     raise item
                 reason = item.finish_reason
+                if reason is not None and reason.get("type") == "invalid_request":
+                    raise InvalidRequest(reason.get("message", "invalid request"))
                 if reason is not None and reason.get("type") == "error":
                     # Not `finished`: the abort sent below frees it where it still runs (a
                     # failure in the detokenizer leaves it running in the scheduler).
@@ -130,6 +150,8 @@ class TokenizerManager:
                     yield build_output(total, treq, time.monotonic() - state.created, self.text_of)
         finally:
             self.states.pop(rid, None)
+            if treq.session_params is not None:
+                self.sessions.end_turn(treq, total.new_ids if finished and total else None)
             if not finished and self.dead is None:
                 await self.control(AbortRequest(rid=rid))
 
@@ -149,8 +171,38 @@ class TokenizerManager:
         finally:
             self.calls.pop(call_id, None)
         if reply.error is not None:
+            if call.method.startswith("update_weights"):
+                self._staged_model_path = None  # a failed update rolls back what was staged
             raise reply.error.exception()
+        self._follow_model_path(call, reply.result)
         return reply.result
+
+    def _follow_model_path(self, call: ControlCall, result: Any) -> None:
+        """`info["model_path"]` (what /get_model_info and get_server_info report, as SGLang
+        does) names the checkpoint of the weights served: a disk update's, once it commits."""
+        if isinstance(call, UpdateWeightsFromDisk) and call.lora_name is None:
+            if isinstance(result, dict) and result.get("staged"):
+                self._staged_model_path = call.model_path  # commits at continue_generation
+            else:
+                self.info["model_path"] = call.model_path
+        elif isinstance(call, (ContinueGeneration, UpdateWeightVersion)):
+            if self._staged_model_path is not None:
+                self.info["model_path"] = self._staged_model_path
+            self._staged_model_path = None
+        elif isinstance(call, DiscardStagedWeights):
+            self._staged_model_path = None
+        elif isinstance(call, GetServerInfo) and isinstance(result, dict) and "model_path" in self.info:
+            result["model_path"] = self.info["model_path"]
+
+    async def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:
+        """Opens a session (sessions.py); returns its id."""
+        self._check_alive()
+        return self.sessions.open(capacity_of_str_len, session_id)
+
+    async def close_session(self, session_id: str) -> None:
+        """Closes an open session: its running turns are aborted, the KV it kept is unpinned."""
+        self.sessions.close(session_id)
+        await self.control(AbortRequest(session_id=session_id))
 
     # ---- receiving ------------------------------------------------------------------------
     async def _recv_loop(self) -> None:

@@ -17,7 +17,7 @@ import torch
 from rollout.engine.messages import AbortRequest
 from rollout.forward import memory_regions
 from rollout.weight_sync.deferred import in_thread
-from rollout.weight_sync.engine_port import EnginePort, WeightModel
+from rollout.weight_sync.engine_port import AdapterPort, EnginePort, WeightModel
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -72,6 +72,14 @@ class RunnerPort(EnginePort):
 
     def publish_weight_version(self, version: str, weights_changed: bool) -> None:
         pass
+
+    # ---- LoRA adapters (LoraManager is an AdapterPort) ------------------------------------------
+    @property
+    def adapters(self) -> AdapterPort | None:
+        return self.runner.lora
+
+    def publish_adapter_version(self, name: str, version: str | None) -> str:
+        return ""
 
     # ---- memory -----------------------------------------------------------------------------
     def flush_prefix_cache(self) -> None:
@@ -129,6 +137,9 @@ class SchedulerPort(RunnerPort):
 
     def publish_weight_version(self, version: str, weights_changed: bool) -> None:
         self.scheduler.publish_weight_version(version, weights_changed)
+
+    def publish_adapter_version(self, name: str, version: str | None) -> str:
+        return self.scheduler.publish_adapter_version(name, version)
 
     # ---- memory -----------------------------------------------------------------------------
     def flush_prefix_cache(self) -> None:

@@ -96,6 +96,7 @@ def resolve_kernel_plan(
         device.type == "cuda"
         and not kopts.disable_cuda_graph
         and not gloo_ranks
+        and not options.lora.enable_lora  # adapters run eagerly for now
         and attention.supports_cuda_graph(extend, decode)
     )
     max_bs = min(kopts.cuda_graph_max_bs, options.scheduler.max_running_requests)

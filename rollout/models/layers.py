@@ -86,10 +86,15 @@ def logits_linear(x: torch.Tensor, weight: torch.Tensor, skinny_rows: int = 0) -
 
 
 class Linear(FusedOps, nn.Linear):
-    """nn.Linear that runs the skinny GEMM kernel for small decode batches when switched on."""
+    """nn.Linear that runs the skinny GEMM kernel for small decode batches when switched on.
+    `lora`, when an engine serves adapters, is the layer's adapter slots (models/lora.py):
+    each row's adapter delta is added to the output."""
+
+    lora = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.skinny_rows)
+        out = linear(x, self.weight, self.bias, self.skinny_rows)
+        return out if self.lora is None else self.lora.apply(x, out)
 
 
 class RMSNorm(FusedOps, nn.Module):
@@ -214,9 +219,12 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / size] -> [T, out], the same on every rank
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, self.skinny_rows)
+            return super().forward(x)
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(linear(x, self.weight, bias, self.skinny_rows))
+        out = linear(x, self.weight, bias, self.skinny_rows)
+        if self.lora is not None:  # this rank's partial delta, summed with the base partials
+            self.lora.apply(x, out)
+        return self.tp.all_reduce(out)
 
 
 class SiluAndMulMLP(FusedOps, nn.Module):

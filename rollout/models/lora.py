@@ -22,8 +22,10 @@ adapters between steps, never while a batch that uses the slot is running.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from rollout.models.layers import MergedLinear, RowParallelLinear
@@ -31,6 +33,7 @@ from rollout.models.lora_adapter import (
     LORA_MODULES,
     AdapterError,
     LoraAdapter,
+    parse_tensor_name,
     read_peft_adapter,
     resolve_target_modules,
 )
@@ -49,6 +52,16 @@ def lora_module_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
         if kind == "weight" and module.rsplit(".", 1)[-1] in LORA_MODULES:
             shapes[module] = (shape[0], shape[1])
     return shapes
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """What a loaded adapter is, apart from its values: an update of its values in place
+    (weight sync) must keep all of it."""
+
+    rank: int
+    scale: float
+    modules: frozenset[str]  # HF module names
 
 
 class AdapterSlots:
@@ -78,6 +91,7 @@ class AdapterSlots:
         self.layers: dict[str, LoraLayer] = {}  # model module name -> its slots
         self._targets: dict[str, tuple[LoraLayer, str]] = {}  # HF module -> (layer, part)
         self._slots: dict[str, int] = {}  # adapter name -> slot
+        self._layouts: dict[str, AdapterLayout] = {}  # adapter name -> its rank, scale, modules
         taken = [n for n, m in model.named_modules() if getattr(m, "lora", None) is not None]
         if taken:
             raise ValueError(f"{taken[0]} already has LoRA slots: detach them first")
@@ -176,6 +190,7 @@ class AdapterSlots:
             layer.write(slot, part, a, b, adapter.scale)
         self.batch.ranks[slot] = adapter.rank
         self._slots[name] = slot
+        self._layouts[name] = AdapterLayout(adapter.rank, adapter.scale, frozenset(adapter.modules))
         self._publish()
         return slot
 
@@ -188,8 +203,67 @@ class AdapterSlots:
         AdapterError when none of that name is loaded."""
         slot = self.slot_of(name)
         del self._slots[name]
+        del self._layouts[name]
         self._clear(slot)
         self._publish()
+
+    def layout(self, name: str) -> AdapterLayout:
+        """The rank, scale and modules of loaded adapter `name` (AdapterError when none is)."""
+        self.slot_of(name)
+        return self._layouts[name]
+
+    def check_values(
+        self, name: str, shapes: Iterable[tuple[str, Sequence[int]]]
+    ) -> dict[str, tuple[str, str]]:
+        """Checks new values for some modules of loaded adapter `name`, from each PEFT-named
+        tensor's shape, before any arrives; returns tensor name -> (HF module, "A" or "B").
+        Each module given must be one the adapter has, with both its lora_A [rank, in] and
+        lora_B [out, rank] at the adapter's rank; modules not given keep their values.
+        AdapterError naming what is wrong otherwise (a rank, alpha or module set of its own
+        is a new adapter: load it from a directory)."""
+        layout = self.layout(name)
+        found: dict[str, tuple[str, str]] = {}
+        halves: dict[str, set[str]] = {}
+        for tensor_name, shape in shapes:
+            module, kind = parse_tensor_name(tensor_name, self.module_shapes)
+            if module not in layout.modules:
+                raise AdapterError(
+                    f"{tensor_name}: adapter {name!r} has no LoRA weights on {module} (an update "
+                    f"changes the values of the modules it was loaded with; load a new adapter "
+                    f"to change which modules it adapts)"
+                )
+            if kind in halves.setdefault(module, set()):
+                raise AdapterError(f"{tensor_name}: lora_{kind} of {module} is given twice")
+            halves[module].add(kind)
+            out_features, in_features = self.module_shapes[module]
+            want = (layout.rank, in_features) if kind == "A" else (out_features, layout.rank)
+            if tuple(shape) != want:
+                raise AdapterError(
+                    f"{tensor_name} has shape {list(shape)}, expected {list(want)} (adapter "
+                    f"{name!r} has rank {layout.rank}; the projection is {in_features} -> "
+                    f"{out_features})"
+                )
+            found[tensor_name] = (module, kind)
+        if not found:
+            raise AdapterError(f"the update of adapter {name!r} holds no LoRA weights")
+        for module, kinds in sorted(halves.items()):
+            if kinds != {"A", "B"}:
+                missing = "lora_B" if "A" in kinds else "lora_A"
+                raise AdapterError(
+                    f"{module}: the update gives one half of it without its {missing}: give "
+                    f"both halves of every module it changes"
+                )
+        return found
+
+    def write_values(
+        self, name: str, modules: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Copies new (A, B) values of some modules (checked by `check_values`) into loaded
+        adapter `name`'s slot; its other modules, rank and scale stay."""
+        slot, layout = self.slot_of(name), self.layout(name)
+        for module, (a, b) in modules.items():
+            layer, part = self._targets[module]
+            layer.write(slot, part, a, b, layout.scale)
 
     def detach(self, model: nn.Module) -> None:
         """Takes the slots off `model`'s layers: it computes the base model only again."""
@@ -211,4 +285,4 @@ class AdapterSlots:
         self.batch.prepare_requests(slots, extend_lens)
 
 
-__all__ = ["AdapterError", "AdapterSlots", "LoraAdapter", "lora_module_shapes"]
+__all__ = ["AdapterError", "AdapterLayout", "AdapterSlots", "LoraAdapter", "lora_module_shapes"]

@@ -155,16 +155,8 @@ def adapter_from_tensors(
     or a shape other than A [r, in], B [out, r]."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
-        match = _TENSOR_NAME.match(name)
-        if match is None:
-            raise AdapterError(_unexpected_tensor(name))
-        module, proj, kind = match["module"], match["proj"], match["kind"]
-        if module not in module_shapes:
-            known = ", ".join(LORA_MODULES)
-            raise AdapterError(
-                f"{name}: the model has no projection {module} (LoRA applies to {known} of "
-                f"layers 0..{_num_layers(module_shapes) - 1})"
-            )
+        module, kind = parse_tensor_name(name, module_shapes)
+        proj = module.rsplit(".", 1)[1]
         if not config.targets(module):
             raise AdapterError(f"{name}: target_modules {config.target_modules!r} omits {proj}")
         if not tensor.is_floating_point():
@@ -187,6 +179,22 @@ def adapter_from_tensors(
                 )
         modules[module] = (pair["A"], pair["B"])
     return LoraAdapter(config.rank, config.scale, modules)
+
+
+def parse_tensor_name(name: str, module_shapes: Mapping[str, tuple[int, int]]) -> tuple[str, str]:
+    """(HF module, "A" or "B") of a PEFT-named LoRA weight of one of the model's projections
+    (`module_shapes`: HF module -> (out, in)); AdapterError for any other name."""
+    match = _TENSOR_NAME.match(name)
+    if match is None:
+        raise AdapterError(_unexpected_tensor(name))
+    module = match["module"]
+    if module not in module_shapes:
+        known = ", ".join(LORA_MODULES)
+        raise AdapterError(
+            f"{name}: the model has no projection {module} (LoRA applies to {known} of "
+            f"layers 0..{_num_layers(module_shapes) - 1})"
+        )
+    return module, match["kind"]
 
 
 def read_peft_adapter(

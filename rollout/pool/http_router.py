@@ -41,6 +41,11 @@ POOL_FLAGS = {
 }
 
 
+def _server_fields() -> list[dataclasses.Field]:
+    """rollout serve's server flags but --dp-size (the router's replicas are its --worker-urls)."""
+    return [f for f in dataclasses.fields(ServerOptions) if f.name != "dp_size"]
+
+
 def build_parser(prog: str = "rollout router") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -50,7 +55,7 @@ def build_parser(prog: str = "rollout router") -> argparse.ArgumentParser:
     parser.add_argument("--worker-urls", nargs="+", required=True, help="the workers' base URLs")
     parser.add_argument("--worker-api-key", help="the key the router sends to the workers")
     parser.add_argument("--model-path", help="where the tokenizer is read; default: the workers'")
-    add_option_arguments(parser, dataclasses.fields(ServerOptions))
+    add_option_arguments(parser, _server_fields())
     defaults = PoolOptions()
     for name, help_text in POOL_FLAGS.items():
         value = getattr(defaults, name)
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None, prog: str = "rollout router") -> int:
     args = build_parser(prog).parse_args(argv)
     values = vars(args)
     try:
-        server_values = {f.name: values[f.name] for f in dataclasses.fields(ServerOptions)}
+        server_values = {f.name: values[f.name] for f in _server_fields()}
         server_values["allowed_weight_roots"] = tuple(server_values["allowed_weight_roots"] or ())
         options = ServerOptions(**server_values)
         pool_options = PoolOptions(**{name: values[name] for name in POOL_FLAGS})

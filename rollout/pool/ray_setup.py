@@ -8,6 +8,8 @@ replica goes back to its own bundle, whose resources its dead actor gave back.
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Any
 
 from rollout.pool.ray_replica import RayReplica
@@ -24,8 +26,21 @@ def connect(address: str | None, init_kwargs: dict[str, Any] | None) -> bool:
     if ray.is_initialized():
         return False
     kwargs = {"include_dashboard": False, "log_to_driver": True, **(init_kwargs or {})}
-    ray.init(address=address, **kwargs)
+    # ray.init makes SIGTERM exit the process at once; the process's own handlers (the server's
+    # graceful shutdown) stay in place.
+    kept = _signal_handlers()
+    try:
+        ray.init(address=address, **kwargs)
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
     return True
+
+
+def _signal_handlers() -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 def place_replicas(

@@ -39,7 +39,6 @@ class WeightSource:
         restore_weights: Callable[[], Any] | None = None,
     ) -> None:  # fmt: skip
         self.version = version
-        self.last_named, self.unnamed = version, 0
         self.dtype = dtype
         self.keep_tensor_snapshot = keep_tensor_snapshot
         self.restore_weights = restore_weights
@@ -49,7 +48,8 @@ class WeightSource:
         self.why_missing: str | None = None
 
     def next_label(self, version: str | None) -> str:
-        return version if version is not None else f"{self.last_named}+{self.unnamed + 1}"
+        """An update without a label keeps the current one (as one engine does)."""
+        return version if version is not None else self.version
 
     def capture(self, method: str, args: tuple, snapshot: Snapshot | None) -> Named | None:
         """A CPU copy of a tensor update's tensors (given by `snapshot`, else read from its
@@ -92,10 +92,6 @@ class WeightSource:
         self.why_missing = why
 
     def _named(self, label: str) -> None:
-        if label.startswith(f"{self.last_named}+") and label[len(self.last_named) + 1 :].isdigit():
-            self.unnamed = int(label[len(self.last_named) + 1 :])
-        else:
-            self.last_named, self.unnamed = label, 0
         self.version = label
 
     def relabel(self, version: str) -> None:

@@ -34,8 +34,11 @@ if TYPE_CHECKING:  # a stand-in with the same methods serves too (tests)
 
 def create_app(engine: RolloutEngine, options: ServerOptions) -> FastAPI:
     from rollout.server.embeddings_api import router as embeddings_router
+    from rollout.server.lora_api import router as lora_router
+    from rollout.server.models_api import router as models_router
     from rollout.server.native import router as native_router
     from rollout.server.openai_api import router as openai_router
+    from rollout.server.responses_api import router as responses_router
     from rollout.server.weights_api import router as weights_router
 
     app = FastAPI(title="rollout", version="0.1.0", default_response_class=JSON)
@@ -48,7 +51,10 @@ def create_app(engine: RolloutEngine, options: ServerOptions) -> FastAPI:
     app.include_router(native_router)
     app.include_router(openai_router)
     app.include_router(weights_router)
+    app.include_router(lora_router)
+    app.include_router(models_router)
     app.include_router(embeddings_router)
+    app.include_router(responses_router)
     app.state.metrics = ServerMetrics(routes=app.openapi()["paths"])
 
     @app.exception_handler(RequestValidationError)

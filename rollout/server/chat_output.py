@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rollout.engine.grammar_openai import after_reasoning, forced_tool_names, tool_call_grammar
 from rollout.errors import InvalidRequest
 from rollout.parsers import TOOL_CALL_PARSERS, chat_output_parser
 from rollout.parsers.chat_output import ChatOutputParser
+from rollout.parsers.reasoning import REASONING_FORMATS, ReasoningParser
 from rollout.parsers.types import MessageDelta
 from rollout.server.openai_protocol import ChatCompletionRequest
 from rollout.server.options import ServerOptions
@@ -18,13 +20,46 @@ Parsers = Callable[[], ChatOutputParser] | None
 
 def check_tool_choice(body: ChatCompletionRequest, options: ServerOptions) -> None:
     """What a chat request asks of tools that this server can give, or an InvalidRequest."""
-    if body.tool_choice not in (None, "auto", "none"):
-        raise InvalidRequest(
-            f"tool_choice {body.tool_choice!r} is not supported: the output can't be constrained "
-            "to a call yet; use auto or none"
-        )
+    forced_tool_names(body.tools or [], body.tool_choice)  # a choice the tools can't meet raises
     if body.tool_names() and options.tool_call_parser is None:
         raise InvalidRequest("tools need the server started with --tool-call-parser")
+
+
+def force_tool_calls(body: ChatCompletionRequest, options: ServerOptions) -> ChatCompletionRequest:
+    """`body` whose output is constrained to tool calls, in the --tool-call-parser's format,
+    when tool_choice is "required" or names a function (one call); else `body` as it is."""
+    names = forced_tool_names(body.tools or [], body.tool_choice)
+    if names is None or options.tool_call_parser is None:
+        return body
+    if body.grammar_params():
+        raise InvalidRequest(
+            f"tool_choice {body.tool_choice!r} can't be combined with response_format, "
+            "json_schema, regex, ebnf or structural_tag"
+        )
+    named = isinstance(body.tool_choice, dict)
+    grammar = tool_call_grammar(
+        options.tool_call_parser, body.tools or [], names, body.parallel_tool_calls, named
+    )
+    return body.model_copy(update={"structural_tag": grammar})
+
+
+def grammar_after_reasoning(
+    body: ChatCompletionRequest, options: ServerOptions, prompt_tail: str
+) -> ChatCompletionRequest:
+    """`body` whose grammar (response_format, forced tool calls, ...) applies after the
+    model's reasoning, when the server has a --reasoning-parser: the reasoning is free text."""
+    fields = body.grammar_params()
+    if options.reasoning_parser is None or not fields:
+        return body
+    fmt = REASONING_FORMATS[options.reasoning_parser]
+    in_reasoning = ReasoningParser(fmt).opens_in_prompt(prompt_tail)
+    if in_reasoning is None:
+        in_reasoning = fmt.in_reasoning
+    wrapped = after_reasoning(fields, in_reasoning, fmt.start, fmt.end)
+    if wrapped == fields:
+        return body
+    cleared = dict.fromkeys(("response_format", "json_schema", "regex", "ebnf"))
+    return body.model_copy(update={**cleared, **wrapped})
 
 
 def output_parsers(

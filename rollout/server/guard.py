@@ -31,6 +31,8 @@ ADMIN_PATHS = frozenset(
         "/discard_staged_weights",
         "/release_memory_occupation",
         "/resume_memory_occupation",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
     }
 )
 

@@ -107,11 +107,10 @@ def _serve(options: ServerOptions, engine_options: dict[str, Any], signals: Shut
     return EXIT_ENGINE_DIED if server.engine_died else 0
 
 
-def main(argv: list[str] | None = None, prog: str = "rollout serve") -> int:
-    """Returns the exit status (see serve)."""
+def parse(argv: list[str] | None = None, prog: str = "rollout serve") -> tuple[ServerOptions, dict[str, Any]]:
+    """The server's and the engine's options from the command line (exits on a bad one)."""
     args = build_parser(prog).parse_args(argv)
     try:
-        options, engine_options = split_args(args)
+        return split_args(args)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"{prog}: error: {e}") from e
-    return serve(options, engine_options)

@@ -18,7 +18,9 @@ from rollout.engine.messages import AbortRequest
 from rollout.errors import RequestError
 from rollout.generate_request import WIRE_NAMES, GenerateRequest
 from rollout.server.json_body import OffLoopRoute
+from rollout.server.loads import loads_report
 from rollout.server.responses import JSON, error, json_response
+from rollout.server.stream_fanout import is_fanout, open_fanout
 from rollout.server.streaming import (
     error_event,
     first_item,
@@ -61,6 +63,19 @@ class AbortRequestBody(BaseModel):
     abort_all: bool = False
 
 
+class OpenSessionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    capacity_of_str_len: int
+    session_id: str | None = None
+
+
+class CloseSessionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str
+
+
 def _engine(request: Request) -> Any:
     return request.app.state.engine
 
@@ -90,23 +105,25 @@ async def generate(body: GenerateBody, request: Request) -> Any:
             metrics.observe("generate", outs, time.monotonic() - start)
         return await json_response(result)
 
-    stream = owners.stream(engine.async_generate(call), call.rid, role)
+    # A batch or n > 1 streams every sample, each event with its index (SGLang's shape).
+    opened = open_fanout(engine, call) if is_fanout(call) else engine.async_generate(call)
+    stream = owners.stream(opened, call.rid, role)
     first, rest = await first_item(stream)
     if call.log_metrics:
         metrics.ttft.observe(time.monotonic() - start)
 
     async def events() -> AsyncIterator[str | bytes]:
-        last = first
+        lasts = {first.get("index", 0): first}  # each sample's latest output
         try:
             yield await sse_event(first)
             async for out in rest:
-                last = out
+                lasts[out.get("index", 0)] = out
                 yield await sse_event(out)
         except Exception as e:  # noqa: BLE001 - the 200 is sent: the error goes in the stream
             yield error_event(e, request)
         else:
             if call.log_metrics:
-                metrics.observe("generate", [last], time.monotonic() - start)
+                metrics.observe("generate", list(lasts.values()), time.monotonic() - start)
         yield sse("[DONE]")
 
     return sse_response(events(), request)
@@ -141,7 +158,7 @@ def get_model_info(request: Request) -> dict:
     engine = _engine(request)
     opts = engine.options.model
     return {
-        "model_path": opts.model_path,
+        "model_path": engine.info.get("model_path") or opts.model_path,  # follows disk updates
         "tokenizer_path": opts.tokenizer_path or opts.model_path,
         "served_model_name": request.app.state.model_name,
         "is_generation": not opts.is_embedding,
@@ -159,22 +176,37 @@ def get_server_info(request: Request) -> dict:
     public = {"host": options.host, "port": options.port, "auth": options.api_key is not None}
     info = _engine(request).get_server_info()
     # The server-args names SGLang's clients read (slime checks them before an update).
-    sglang = {"dp_size": 1, "max_total_num_tokens": info["max_total_tokens"], "version": __version__}
+    dp_size = len(info.get("replicas") or [None])  # a pool's replicas (rollout serve --dp-size)
+    sglang = {"dp_size": dp_size, "max_total_num_tokens": info["max_total_tokens"], "version": __version__}
     return {**info, **sglang, "server": public}
 
 
 @router.get("/get_load")
 def get_load(request: Request) -> list[dict]:
+    """One entry per data-parallel rank: the engine, or each replica of a pool."""
     info = _engine(request).get_server_info()
-    return [
-        {
-            "dp_rank": 0,
-            "num_reqs": info["num_running"] + info["num_waiting"],
-            "num_running_reqs": info["num_running"],
-            "num_waiting_reqs": info["num_waiting"],
-            "num_tokens": info["kv_total"] - info["kv_free"],
-        }
-    ]
+    ranks = [r.get("info") for r in info["replicas"]] if "replicas" in info else [info]
+    return [_load(rank, i) for i, rank in enumerate(ranks) if rank is not None]
+
+
+def _load(info: dict, dp_rank: int) -> dict:
+    return {
+        "dp_rank": dp_rank,
+        "num_reqs": info["num_running"] + info["num_waiting"],
+        "num_running_reqs": info["num_running"],
+        "num_waiting_reqs": info["num_waiting"],
+        "num_tokens": info["kv_total"] - info["kv_free"],
+    }
+
+
+@router.get("/v1/loads")
+def get_loads(request: Request, dp_rank: int | None = None) -> Any:
+    """SGLang's load report: one entry per data-parallel rank (the engine, or each replica)."""
+    info = _engine(request).get_server_info()
+    ranks = [r.get("info") for r in info["replicas"]] if "replicas" in info else [info]
+    if dp_rank is not None and not 0 <= dp_rank < len(ranks):
+        return error(400, f"dp_rank must be in [0, {len(ranks)}), got {dp_rank}")
+    return loads_report(ranks, dp_rank)
 
 
 @router.post("/flush_cache")
@@ -196,6 +228,20 @@ def abort_request(body: AbortRequestBody, request: Request) -> JSON:
     if call.abort_all or request.app.state.owners.may_abort(call.rid, role):
         _engine(request).abort_request(rid=call.rid, abort_all=call.abort_all)
     return JSON({"success": True})
+
+
+@router.post("/open_session")
+def open_session(body: OpenSessionBody, request: Request) -> JSON:
+    """Opens a session for multi-turn token-in/token-out requests; answers its id (a JSON
+    string, as SGLang does)."""
+    return JSON(_engine(request).open_session(body.capacity_of_str_len, body.session_id))
+
+
+@router.post("/close_session")
+def close_session(body: CloseSessionBody, request: Request) -> Response:
+    """Closes a session: its running turns are aborted, the KV it kept is unpinned."""
+    _engine(request).close_session(body.session_id)
+    return Response(status_code=200)
 
 
 @router.get("/metrics")

@@ -1,4 +1,4 @@
-"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models."""
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions (/v1/models: models_api.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ from rollout.server.openai_format import (
     chat_logprobs,
     completion_logprobs,
     finish_reason,
+    join_logprobs,
     matched_stop,
+    prompt_logprobs,
     usage,
+    version_metadata,
 )
 from rollout.server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from rollout.server.responses import check_model, error, is_large, json_response
+from rollout.server.responses import check_model, is_large, json_response, model_adapter
 from rollout.server.streaming import (
     error_event,
     gather_streams,
@@ -42,25 +45,6 @@ router = APIRouter(route_class=OffLoopRoute)
 PROMPT_TAIL_TOKENS = 8  # large bodies parsed off the event loop
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
-
-
-def _model_card(name: str, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "rollout", "root": name}
-
-
-@router.get("/v1/models")
-def list_models(request: Request) -> dict:
-    return {
-        "object": "list",
-        "data": [_model_card(request.app.state.model_name, request.app.state.started)],
-    }
-
-
-@router.get("/v1/models/{model_id:path}")
-def get_model(model_id: str, request: Request) -> Any:
-    if model_id != request.app.state.model_name:
-        return error(404, f"model {model_id!r} is not served here", "model_not_found")
-    return _model_card(model_id, request.app.state.started)
 
 
 # The two below tokenize and render templates: they run on the engine's worker threads
@@ -116,6 +100,7 @@ async def _run(
     max_new: int,
     top: int | None,
     build: Any,
+    logprob_start_len: int | None = None,
 ) -> Any:
     """Non-streamed: one engine call for every prompt x n; `build(outputs)` makes the response."""
     engine = request.app.state.engine
@@ -128,7 +113,9 @@ async def _run(
                 sampling_params=body.sampling_params(max_new),
                 return_logprob=top is not None,
                 top_logprobs_num=top or 0,
+                logprob_start_len=logprob_start_len,
                 rid=body.rid,
+                lora_path=model_adapter(request, body.model),
             ),
         )
     request.app.state.metrics.observe(endpoint, outputs, time.monotonic() - start)
@@ -138,16 +125,19 @@ async def _run(
 
 
 async def _open_streams(
-    request: Request, body: SamplingFields, prompts: list[list[int]], max_new: int, top: int | None
+    request: Request, body: SamplingFields, prompts: list[list[int]], max_new: int, top: int | None,
+    logprob_start_len: int | None = None,
 ) -> list[AsyncIterator[dict]]:
     """One engine stream per prompt x sample (seeds as the non-streamed call would give them);
     each is started and its first output awaited, so bad input fails before the 200."""
     engine = request.app.state.engine
     params = body.sampling_params(max_new)
+    lora = model_adapter(request, body.model)
     # As one request: n and the response's size are bounded over all the streams together.
     await engine.run_in_worker(
         engine.validate_generate, input_ids=prompts, sampling_params=params,
         return_logprob=top is not None, top_logprobs_num=top or 0, rid=body.rid,
+        logprob_start_len=logprob_start_len, lora_path=lora,
     )  # fmt: skip
     streams = []
     for ids in prompts:
@@ -159,7 +149,9 @@ async def _open_streams(
                     sampling_params=p,
                     return_logprob=top is not None,
                     top_logprobs_num=top or 0,
+                    logprob_start_len=logprob_start_len,
                     stream=True,
+                    lora_path=lora,
                 )
             )
     firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
@@ -220,9 +212,10 @@ def _stream(
 async def completions(body: CompletionRequest, request: Request) -> Any:
     if (bad := check_model(request, body.model)) is not None:
         return bad
-    if body.echo and body.logprobs is not None:
-        return error(400, "echo together with logprobs is not supported")
     engine = request.app.state.engine
+    # echo with logprobs: the prompt's logprobs too, from its first token on.
+    echo_logprobs = body.echo and body.logprobs is not None
+    start = 0 if echo_logprobs else None
     prompts, echo = await engine.run_in_worker(_prompts, body, engine)
     max_new = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     text_of = TokenText(engine.tokenizer)
@@ -235,9 +228,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             choices = []
             for i, out in enumerate(outputs):
                 meta = out["meta_info"]
-                logprobs = (
-                    completion_logprobs(meta, text_of, 0, 0) if body.logprobs is not None else None
-                )
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = completion_logprobs(meta, text_of, 0, len(echo[i // body.n]))
+                if echo_logprobs:
+                    logprobs = join_logprobs(prompt_logprobs(meta, text_of), logprobs)
                 choices.append(
                     {
                         "index": i,
@@ -247,9 +242,16 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                         "matched_stop": matched_stop(meta),
                     }
                 )
-            return {**head, "choices": choices, "usage": usage(outputs, body.n)}
+            return {
+                **head,
+                "choices": choices,
+                "usage": usage(outputs, body.n),
+                "metadata": version_metadata(outputs[0]["meta_info"]),
+            }
 
-        return await _run(request, "v1/completions", body, prompts, max_new, body.logprobs, build)
+        return await _run(
+            request, "v1/completions", body, prompts, max_new, body.logprobs, build, start
+        )
 
     def chunk(i: int | None, out: dict | None, st: dict | None) -> list[str]:
         if out is None or st is None or i is None:
@@ -259,39 +261,52 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         reason = finish_reason(meta)
         if not text and reason is None:
             return []  # nothing to show yet (e.g. half a character): its logprobs go out next time
-        if st["first"]:
+        first, shift = st["first"], len(echo[i // body.n])
+        if first:
             text, st["first"] = echo[i // body.n] + text, False
         logprobs = None
         if body.logprobs is not None:
-            logprobs = completion_logprobs(meta, text_of, st["logprobs"], st["text"])
+            logprobs = completion_logprobs(meta, text_of, st["logprobs"], shift + st["text"])
             st["logprobs"] = len(meta.get("output_token_logprobs", []))
+            if first and echo_logprobs:
+                logprobs = join_logprobs(prompt_logprobs(meta, text_of), logprobs)
         st["text"] = len(out["text"])
         choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if reason is not None:
             choice["matched_stop"] = matched_stop(meta)
         return [sse({**head, "choices": [choice]})]
 
-    streams = await _open_streams(request, body, prompts, max_new, body.logprobs)
+    streams = await _open_streams(request, body, prompts, max_new, body.logprobs, start)
     return _stream(request, "v1/completions", streams, body, chunk)
+
+
+async def _chat_setup(
+    body: ChatCompletionRequest, request: Request
+) -> tuple[ChatCompletionRequest, list[int], Any, int]:
+    """The chat request as it runs (tool-call and reasoning grammars applied), its prompt ids,
+    the output parsers, and its max_new_tokens."""
+    engine, options = request.app.state.engine, request.app.state.options
+    chat_output.check_tool_choice(body, options)
+    body = chat_output.force_tool_calls(body, options)
+    ids, tail = await engine.run_in_worker(_chat_prompt, body, engine)
+    parsers = chat_output.output_parsers(body, options, tail)
+    body = chat_output.grammar_after_reasoning(body, options, tail)
+    if chat_output.needs_special_tokens(body, options):
+        body = body.model_copy(update={"skip_special_tokens": False})
+    limit = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    return body, ids, parsers, limit if limit is not None else engine.info["context_length"]
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     if (bad := check_model(request, body.model)) is not None:
         return bad
-    engine, options = request.app.state.engine, request.app.state.options
-    chat_output.check_tool_choice(body, options)
-    ids, tail = await engine.run_in_worker(_chat_prompt, body, engine)
+    body, ids, parsers, max_new = await _chat_setup(body, request)
     prompts = [ids]
-    parsers = chat_output.output_parsers(body, options, tail)
-    if chat_output.needs_special_tokens(body, options):
-        body = body.model_copy(update={"skip_special_tokens": False})
-    limit = (
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    )
-    max_new = limit if limit is not None else engine.info["context_length"]
     top = (body.top_logprobs or 0) if body.logprobs else None
-    text_of = TokenText(engine.tokenizer)
+    text_of = TokenText(request.app.state.engine.tokenizer)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": body.model}
 
@@ -318,6 +333,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "object": "chat.completion",
                 "choices": choices,
                 "usage": usage(outputs, body.n),
+                "metadata": version_metadata(outputs[0]["meta_info"]),
             }
 
         return await _run(request, "v1/chat/completions", body, prompts, max_new, top, build)

@@ -71,3 +71,39 @@ def usage(outputs: list[dict], n: int) -> dict:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in firsts)},
     }
+
+
+def prompt_logprobs(meta: dict, text_of: TokenText) -> dict:
+    """Legacy completions logprobs of the prompt's tokens (echo with logprobs), offsets from 0:
+    the first token has no logprob (nothing comes before it)."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = 0
+    tops = meta.get("input_top_logprobs") or []
+    for i, (lp, tid, _) in enumerate(meta.get("input_token_logprobs") or []):
+        text = text_of(tid)
+        tokens.append(text)
+        token_logprobs.append(lp)
+        offsets.append(offset)
+        offset += len(text)
+        entries = tops[i] if i < len(tops) and tops[i] else []
+        top.append({text_of(t): v for v, t, _ in entries} if entries else None)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict, then: dict) -> dict:
+    """Two legacy logprobs blocks, one after the other (the prompt's, then the completion's)."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def version_metadata(meta: dict) -> dict:
+    """SGLang's `metadata` block of an OpenAI response: the weight version (and its spans over
+    the output) of the first choice."""
+    out = {"weight_version": meta.get("weight_version")}
+    if "weight_versions" in meta:
+        out["weight_versions"] = meta["weight_versions"]
+    return out

@@ -8,6 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
+from rollout.engine.grammar_openai import response_format_grammar
+from rollout.errors import InvalidRequest
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -42,6 +45,14 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # Constrained output (see rollout.engine.grammar_spec): OpenAI's response_format
+    # (json_object, json_schema), or SGLang's extras; at most one of all of them.
+    response_format: dict[str, Any] | None = None
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """The engine's sampling params (validated there, with clear errors)."""
@@ -55,6 +66,7 @@ class SamplingFields(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "no_stop_trim": self.no_stop_trim,
             "seed": self.seed,
+            "logit_bias": self.logit_bias,
         }
         optional = {
             "temperature": self.temperature,
@@ -66,14 +78,35 @@ class SamplingFields(BaseModel):
             "frequency_penalty": self.frequency_penalty,
         }
         params.update({k: v for k, v in optional.items() if v is not None})
+        params.update(self.grammar_params())
         return params
+
+    def grammar_params(self) -> dict[str, Any]:
+        """The grammar fields of the engine's sampling params (checked there)."""
+        given = {
+            "json_schema": self.json_schema,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
+            "structural_tag": self.structural_tag,
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        from_format = response_format_grammar(self.response_format)
+        if from_format and given:
+            kind = (self.response_format or {}).get("type")
+            raise InvalidRequest(
+                f"response_format {kind!r} can't be combined with {', '.join(given)}"
+            )
+        return {**given, **from_format}
 
 
 class CompletionRequest(SamplingFields):
     # Checked where it is tokenized, off the event loop (openai_api._prompts; see native.py).
     prompt: SkipValidation[str | list[str] | list[int] | list[list[int]]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt's tokens and logprobs come first
+    # Fill-in-the-middle text after the completion: as in SGLang, accepted and not used (the
+    # completion is generated from the prompt alone).
+    suffix: str | None = None
 
 
 class TextPart(BaseModel):
@@ -125,7 +158,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None  # {"type": "function", "function": {name, ...}}
-    tool_choice: str | dict[str, Any] | None = None  # auto, none (required and named: not yet)
+    tool_choice: str | dict[str, Any] | None = None  # auto, none, required, or a named function
     parallel_tool_calls: bool = True
 
     def tool_names(self) -> list[str] | None:

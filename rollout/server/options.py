@@ -38,6 +38,12 @@ class ServerOptions:
     reasoning_parser: str | None = _opt(
         None, "reasoning tags to split into reasoning_content: deepseek-r1, qwen3, qwen3-thinking"
     )
+    dp_size: int = _opt(
+        1,
+        "engine replicas on this node behind one prefix-aware router, each on its own GPUs (or a "
+        "share of one when there are fewer); weight and memory calls reach all of them, all or "
+        "nothing (needs the ray extra)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -45,6 +51,8 @@ class ServerOptions:
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         check_parser_names(self.tool_call_parser, self.reasoning_parser)
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(
                 f"log_level must be one of critical, error, warning, info, debug, got {self.log_level!r}"

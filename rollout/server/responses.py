@@ -81,12 +81,21 @@ def failure(exc: BaseException, where: str) -> JSON:
 
 
 def check_model(request: Request, model: str) -> JSON | None:
-    """A 404 unless `model` names what this server serves (its served name or model path)."""
+    """A 404 unless `model` names what this server serves: its served name or model path, or
+    "<that>:<adapter>" for a LoRA adapter (whether it is loaded, the engine checks)."""
     known = {request.app.state.model_name, request.app.state.engine.options.model.model_path}
-    if model not in known:
+    base, _, adapter = model.rpartition(":")
+    if model not in known and not (base in known and adapter):
         return error(
             404,
-            f"model {model!r} is not served here; use {request.app.state.model_name!r}",
+            f"model {model!r} is not served here; use {request.app.state.model_name!r} (or "
+            f"'{request.app.state.model_name}:<adapter>' for a loaded LoRA adapter)",
             "model_not_found",
         )
     return None
+
+
+def model_adapter(request: Request, model: str) -> str | None:
+    """The LoRA adapter a checked `model` names ("<base>:<adapter>"), None for the base."""
+    known = {request.app.state.model_name, request.app.state.engine.options.model.model_path}
+    return None if model in known else model.rpartition(":")[2]

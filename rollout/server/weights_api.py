@@ -4,14 +4,15 @@ Each body below is the JSON shape of one call of rollout/weight_sync/calls.py (t
 engine method of the same name builds the call, which checks the values, and a refusal is
 answered by the status of its kind (rollout/errors.py). Tensor handoff over HTTP takes
 `tensor_handles`, the JSON form of TensorHandles (names, dtypes, shapes, CUDA IPC handles or
-shared-memory block names): nothing that arrives here is unpickled. Disk reloads only read files
-that resolve under --allowed-weight-roots.
+shared-memory block names), or SGLang's `serialized_named_tensors`, which the scheduler opens
+through a restricted unpickler that resolves nothing but torch's tensor rebuilds (see
+rollout/weight_sync/serialized_tensors.py): never a general unpickle. Disk reloads only read
+files that resolve under --allowed-weight-roots.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, create_model
 
 from rollout.control import ControlCall
-from rollout.errors import Forbidden, InvalidRequest
+from rollout.errors import InvalidRequest
+from rollout.server.weight_roots import path_under_roots
 from rollout.weight_sync import calls
 from rollout.weight_sync.tensor_handles import TensorHandles
 
@@ -51,11 +53,13 @@ GroupBody = _body("GroupBody", calls.DestroyWeightsUpdateGroup)
 DistributedBody = _body("DistributedBody", calls.UpdateWeightsFromDistributed)
 # load_format: how the sender gave the tensors (None or flattened_bucket, checked as the Python
 # API's argument is); the handles carry the layout, so both load the same way.
-# tensor_handles: one set of handles for every tensor-parallel rank, or a list of one per rank.
+# tensor_handles: one set of handles for every tensor-parallel rank, or a list of one per rank;
+# or SGLang's serialized_named_tensors: base64 pickles, one per rank (restricted unpickler).
 TensorBody = _body(
     "TensorBody",
     calls.UpdateWeightsFromTensor,
-    tensor_handles=dict[str, Any] | list[dict[str, Any]],
+    tensor_handles=dict[str, Any] | list[dict[str, Any]] | None,
+    serialized_named_tensors=list[str] | None,
 )
 DiskBody = _body("DiskBody", calls.UpdateWeightsFromDisk, allowed_roots=None)  # the server's
 WeightsByNameBody = _body("WeightsByNameBody", calls.GetWeightsByName)
@@ -68,52 +72,63 @@ def _engine(request: Request) -> RolloutEngine:
     return request.app.state.engine
 
 
+def _dict(result: Any) -> dict:
+    """The JSON answer: the engine's whole result (its `info` where the Python API answers
+    with SGLang's tuple)."""
+    return dict(getattr(result, "info", result))
+
+
 @router.post("/init_weights_update_group")
 def init_weights_update_group(body: InitGroupBody, request: Request) -> dict:
-    return _engine(request).init_weights_update_group(**body.model_dump())
+    return _dict(_engine(request).init_weights_update_group(**body.model_dump()))
 
 
 @router.post("/destroy_weights_update_group")
 def destroy_weights_update_group(body: GroupBody, request: Request) -> dict:
-    return _engine(request).destroy_weights_update_group(body.group_name)
+    return _dict(_engine(request).destroy_weights_update_group(body.group_name))
 
 
 @router.post("/update_weights_from_distributed")
 def update_weights_from_distributed(body: DistributedBody, request: Request) -> dict:
-    return _engine(request).update_weights_from_distributed(**body.model_dump())
+    return _dict(_engine(request).update_weights_from_distributed(**body.model_dump()))
 
 
 @router.post("/update_weights_from_tensor")
 def update_weights_from_tensor(body: TensorBody, request: Request) -> dict:
     given = body.tensor_handles
-    handles = (
-        [TensorHandles.from_json(h) for h in given]
-        if isinstance(given, list)
-        else TensorHandles.from_json(given)
-    )
-    return _engine(request).update_weights_from_tensor(
-        handles, body.load_format, body.flush_cache, body.weight_version
+    if body.serialized_named_tensors is not None:
+        if given is not None:
+            raise InvalidRequest("give exactly one of tensor_handles and serialized_named_tensors")
+        given = body.serialized_named_tensors
+    elif isinstance(given, list):
+        given = [TensorHandles.from_json(h) for h in given]
+    elif given is not None:
+        given = TensorHandles.from_json(given)
+    else:
+        raise InvalidRequest("give tensor_handles or serialized_named_tensors")
+    engine = _engine(request)
+    if body.abort_all_requests:
+        engine.abort_request(abort_all=True)
+    return _dict(
+        engine.update_weights_from_tensor(
+            given, body.load_format, body.flush_cache, body.weight_version,
+            lora_name=body.lora_name,
+        )
     )
 
 
 @router.post("/update_weights_from_disk")
 def update_weights_from_disk(body: DiskBody, request: Request) -> dict:
     roots = request.app.state.options.allowed_weight_roots
-    try:
-        path = os.path.realpath(body.model_path)
-    except ValueError as e:  # a NUL byte, or text that is no file name here
-        raise InvalidRequest(f"model_path is not a usable path: {e}") from None
-    if not any(
-        os.path.commonpath([path, os.path.realpath(r)]) == os.path.realpath(r) for r in roots
-    ):
-        allowed = (
-            ", ".join(roots) if roots else "none configured (start with --allowed-weight-roots DIR)"
-        )
-        raise Forbidden(f"model_path {body.model_path!r} is not under an allowed root: {allowed}")
+    path = path_under_roots(body.model_path, roots, "model_path")
     # The roots go with the call: the scheduler checks every file (config, index, each shard)
     # where it opens it, so neither a symlink nor an index naming files elsewhere gets out.
-    return _engine(request).update_weights_from_disk(
-        path, body.load_format, body.weight_version, allowed_roots=list(roots)
+    return _dict(
+        _engine(request).update_weights_from_disk(
+            path, body.load_format, body.weight_version, allowed_roots=list(roots),
+            flush_cache=body.flush_cache, abort_all_requests=body.abort_all_requests,
+            lora_name=body.lora_name,
+        )
     )
 
 
@@ -139,8 +154,8 @@ def update_weight_version(body: VersionBody, request: Request) -> dict:
 
 
 @router.post("/pause_generation")
-def pause_generation(body: PauseBody, request: Request) -> dict:
-    return _engine(request).pause_generation(body.mode)
+def pause_generation(request: Request, body: PauseBody | None = None) -> dict:
+    return _engine(request).pause_generation((body or PauseBody()).mode)  # AReaL sends no body
 
 
 @router.post("/continue_generation")

@@ -11,42 +11,43 @@ otherwise.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
-
-import torch
 
 from rollout.control import ControlCall, check_bool, is_int, nonempty_str, settle
 from rollout.errors import InvalidRequest, InvalidRequestType
 from rollout.weight_sync import disk_source, distributed_source
-from rollout.weight_sync.flat_bucket import FlatBucket
 from rollout.weight_sync.memory import check_tags
+from rollout.weight_sync.serialized_tensors import as_text, bucket_pairs
 from rollout.weight_sync.specs import WeightSpec, build_specs, dtype_name, parse_dtype
 from rollout.weight_sync.tensor_handles import TensorHandles, share_tensors
+from rollout.weight_sync.tensor_payloads import (
+    NamedTensors,
+    check_tensor_format,
+    for_rank,
+    handles_of,
+    per_rank,
+    serialized,
+    sglang_bucket,
+    tensor_source,
+)
 from rollout.weight_sync.update_group import check_group_args
 from rollout.weight_sync.versions import check_version
 
-# What update_weights_from_tensor takes: (name, tensor) pairs or a dict (load_format None), a
-# FlatBucket or a list of them ("flattened_bucket"), or handles another process shared (one
-# set, or a list of one set per tensor-parallel rank).
-NamedTensors = (
-    Sequence[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor] | FlatBucket
-    | Sequence[FlatBucket] | TensorHandles | Sequence[TensorHandles]
-)  # fmt: skip
-Shareable = list[tuple[str, torch.Tensor]] | FlatBucket | list[FlatBucket]
-
 DEFAULT_GROUP = "weight_update_group"
 PAUSE_MODES = ("abort", "retract", "in_place")
-TENSOR_LOAD_FORMATS = (None, "flattened_bucket")
 
 
 def _flush_cache(value: Any) -> None:
-    if not check_bool(value, "flush_cache"):
-        raise InvalidRequest(
-            "flush_cache=False is not supported: every weight update drops the prefix cache, "
-            "since KV computed with the old weights must not be reused; leave flush_cache=True"
-        )
+    # NOTE: either value is accepted (SGLang trainers send False on every bucket but the last):
+    # KV computed with older weights is never reused whatever it says (see the controller).
+    check_bool(value, "flush_cache")
+
+
+def _lora_name(value: Any) -> None:
+    if value is not None:
+        nonempty_str(value, "lora_name")
 
 
 def _timeout(value: Any) -> float | None:
@@ -103,8 +104,12 @@ class UpdateWeightsFromDistributed(ControlCall):
     flush_cache: bool = True
     weight_version: str | None = None
     load_format: str | None = None
+    abort_all_requests: bool = False  # end every request in flight first (SGLang's meaning)
+    # The loaded LoRA adapter whose values these are (PEFT names): see adapter_update.py.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
+        _lora_name(self.lora_name)
         specs = build_specs(self.names, self.dtypes, self.shapes)
         settle(self, "names", tuple(s.name for s in specs))
         settle(self, "dtypes", tuple(dtype_name(s.dtype) for s in specs))
@@ -112,6 +117,7 @@ class UpdateWeightsFromDistributed(ControlCall):
         distributed_source.check_load_format(self.load_format)
         _flush_cache(self.flush_cache)
         check_version(self.weight_version)
+        check_bool(self.abort_all_requests, "abort_all_requests")
 
     @property
     def specs(self) -> list[WeightSpec]:
@@ -123,139 +129,125 @@ class UpdateWeightsFromDistributed(ControlCall):
 
 @dataclass(frozen=True)
 class UpdateWeightsFromTensor(ControlCall):
-    """Load tensors shared by reference (CUDA IPC handles, or shared-memory blocks on the host).
-    `load_format` says how the sender gave them (see `share`); the handles carry the layout.
-    Every tensor is the full checkpoint tensor (each tensor-parallel rank keeps its slice):
-    one set of handles that every rank opens, or a list of one set per rank, in rank order
-    (e.g. each on that rank's GPU)."""
+    """Load tensors shared by reference (CUDA IPC handles, or shared memory on the host).
+    `load_format` says how the sender gave them (see `share`). Every tensor is the full
+    checkpoint tensor (each tensor-parallel rank keeps its slice); the references come as one
+    of:
+    - tensor_handles: our JSON form (TensorHandles; nothing is unpickled), one set that every
+      rank opens, or a list of one set per rank, in rank order (e.g. each on that rank's GPU);
+    - serialized_named_tensors: SGLang's, base64 pickles of torch's ForkingPickler, one per
+      rank (or one for all), opened through a restricted unpickler (serialized_tensors.py)."""
 
     method: ClassVar[str] = "update_weights_from_tensor"
     # TensorHandles or their JSON form (checked field by field), or a list of them per rank.
-    tensor_handles: TensorHandles | tuple[TensorHandles, ...]
+    tensor_handles: TensorHandles | tuple[TensorHandles, ...] | None = None
     load_format: str | None = None
     flush_cache: bool = True
     weight_version: str | None = None
+    serialized_named_tensors: tuple[str, ...] | None = None  # held as base64 text
+    abort_all_requests: bool = False  # end every request in flight first (SGLang's meaning)
+    # The loaded LoRA adapter whose values these are (PEFT names): see adapter_update.py.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
-        handles = self.tensor_handles
-        if isinstance(handles, (list, tuple)):
+        _lora_name(self.lora_name)
+        handles, serialized = self.tensor_handles, self.serialized_named_tensors
+        if (handles is None) == (serialized is None):
+            raise InvalidRequest(
+                "give exactly one of tensor_handles and serialized_named_tensors"
+            )
+        if serialized is not None:
+            if isinstance(serialized, (str, bytes)) or not isinstance(serialized, (list, tuple)) or not serialized:
+                raise InvalidRequestType(
+                    "serialized_named_tensors must be a non-empty list, one payload per rank"
+                )
+            settle(self, "serialized_named_tensors", tuple(as_text(p) for p in serialized))
+        elif isinstance(handles, (list, tuple)):
             if not handles:
                 raise InvalidRequest("tensor_handles per rank must be a non-empty list")
-            settle(self, "tensor_handles", tuple(_handles(h) for h in handles))
+            settle(self, "tensor_handles", tuple(handles_of(h) for h in handles))
         else:
-            settle(self, "tensor_handles", _handles(handles))
-        _check_tensor_format(self.load_format)
+            settle(self, "tensor_handles", handles_of(handles))
+        check_tensor_format(self.load_format)
         _flush_cache(self.flush_cache)
         check_version(self.weight_version)
+        check_bool(self.abort_all_requests, "abort_all_requests")
 
     def to_wire(self) -> dict[str, Any]:
         handles = self.tensor_handles
+        if handles is None:
+            return super().to_wire()
         wire = [h.to_json() for h in handles] if isinstance(handles, tuple) else handles.to_json()
         return {**super().to_wire(), "tensor_handles": wire}
 
     def handles_for(self, rank: int, size: int) -> TensorHandles:
         """The handles tensor-parallel rank `rank` of `size` opens."""
-        handles = self.tensor_handles
-        if not isinstance(handles, tuple):
-            return handles
-        if len(handles) != size:
-            raise InvalidRequest(
-                f"tensor_handles holds {len(handles)} sets of handles, one per rank, but the "
-                f"engine has {size} tensor-parallel rank(s): give {size}, or one set for all"
-            )
-        return handles[rank]
+        return for_rank(self.tensor_handles, "tensor_handles", "sets of handles", rank, size)
+
+    def payload_for(self, rank: int, size: int) -> str:
+        """The serialized payload tensor-parallel rank `rank` of `size` opens."""
+        payloads = self.serialized_named_tensors
+        if payloads is not None and len(payloads) == 1:
+            return payloads[0]
+        return for_rank(payloads, "serialized_named_tensors", "payloads", rank, size)
 
     @classmethod
     @contextlib.contextmanager
     def shared(
         cls, named_tensors: NamedTensors, load_format: str | None = None,
         flush_cache: bool = True, weight_version: str | None = None,
+        lora_name: str | None = None,
     ) -> Iterator[UpdateWeightsFromTensor]:  # fmt: skip
         """The call for tensors of this process, shared here (as handles) until the block ends:
-        send it and wait for the reply inside. TensorHandles shared by another process are
-        sent as they are."""
-        if isinstance(named_tensors, TensorHandles) or _per_rank(named_tensors):
-            yield cls(named_tensors, load_format, flush_cache, weight_version)
+        send it and wait for the reply inside. TensorHandles shared by another process, and
+        SGLang's serialized payloads (a list of base64 text or bytes, one per rank), are sent
+        as they are; SGLang's {"flattened_tensor", "metadata"} bucket is shared as its
+        tensors."""
+        lora = {"lora_name": lora_name}
+        if isinstance(named_tensors, TensorHandles) or per_rank(named_tensors):
+            yield cls(named_tensors, load_format, flush_cache, weight_version, **lora)
             return
-        _check_tensor_format(load_format)
-        sent = share_tensors(_tensor_source(named_tensors, load_format))
+        if serialized(named_tensors):
+            yield cls(None, load_format, flush_cache, weight_version, tuple(named_tensors), **lora)
+            return
+        check_tensor_format(load_format)
+        if load_format == "flattened_bucket" and sglang_bucket(named_tensors):
+            buckets = named_tensors if isinstance(named_tensors, (list, tuple)) else [named_tensors]
+            named_tensors, load_format = [p for b in buckets for p in bucket_pairs(b)], None
+        sent = share_tensors(tensor_source(named_tensors, load_format))
         try:
-            yield cls(sent.handles, load_format, flush_cache, weight_version)
+            yield cls(sent.handles, load_format, flush_cache, weight_version, **lora)
         finally:
             sent.close()
 
 
-def _handles(value: Any) -> TensorHandles:
-    if isinstance(value, dict):
-        return TensorHandles.from_json(value)
-    if not isinstance(value, TensorHandles):
-        raise InvalidRequestType(
-            f"tensor_handles must be TensorHandles or their JSON (or a list of them, one per "
-            f"rank), got {type(value).__name__}"
-        )
-    return value
-
-
-def _per_rank(value: Any) -> bool:
-    """A list of TensorHandles: one set per tensor-parallel rank, shared by their sender."""
-    return (
-        isinstance(value, (list, tuple))
-        and bool(value)
-        and all(isinstance(h, TensorHandles) for h in value)
-    )
-
-
-def _check_tensor_format(load_format: Any) -> None:
-    if load_format not in TENSOR_LOAD_FORMATS:
-        raise InvalidRequest(f"load_format must be None or flattened_bucket, got {load_format!r}")
-
-
-def _tensor_source(named_tensors: NamedTensors, load_format: str | None) -> Shareable:
-    if load_format == "flattened_bucket":
-        if isinstance(named_tensors, FlatBucket):
-            return named_tensors
-        if (
-            isinstance(named_tensors, (list, tuple))
-            and named_tensors
-            and all(isinstance(b, FlatBucket) for b in named_tensors)
-        ):
-            return list(named_tensors)
-        raise InvalidRequestType(
-            "with load_format='flattened_bucket', give a FlatBucket or a list of them"
-        )
-    pairs = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
-    if not isinstance(pairs, (list, tuple)) or not pairs:
-        raise InvalidRequestType(
-            "named_tensors must be a non-empty list of (name, tensor) pairs or a dict"
-        )
-    for pair in pairs:
-        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)
-                and isinstance(pair[1], torch.Tensor)):  # fmt: skip
-            raise InvalidRequestType(
-                f"named_tensors entries must be (str, torch.Tensor), got {pair!r:.80}"
-            )
-    return [tuple(p) for p in pairs]
-
-
 @dataclass(frozen=True)
 class UpdateWeightsFromDisk(ControlCall):
-    """Reload a checkpoint directory of the same network. allowed_roots: None reads anywhere;
-    otherwise every file opened (config, index, shards; symlinks followed) must resolve under
-    one of these directories."""
+    """Reload a checkpoint directory of the same network (with lora_name: a PEFT adapter
+    directory, replacing that loaded adapter). allowed_roots: None reads anywhere; otherwise
+    every file opened (config, index, shards; symlinks followed) must resolve under one of
+    these directories."""
 
     method: ClassVar[str] = "update_weights_from_disk"
     model_path: str
     load_format: str | None = None
     weight_version: str | None = None
     allowed_roots: tuple[str, ...] | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False  # end every request in flight first (SGLang's meaning)
+    # The loaded LoRA adapter to replace with the PEFT adapter directory model_path.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
+        _lora_name(self.lora_name)
         if not isinstance(self.model_path, str) or not self.model_path:
             raise InvalidRequest(
                 f"model_path must be a checkpoint directory, got {self.model_path!r}"
             )
         disk_source.check_load_format(self.load_format)
         check_version(self.weight_version)
+        _flush_cache(self.flush_cache)
+        check_bool(self.abort_all_requests, "abort_all_requests")
         settle(self, "allowed_roots", _roots(self.allowed_roots))
 
 

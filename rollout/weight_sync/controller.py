@@ -8,6 +8,9 @@ load through the model's `load_weights` inside a WeightTransaction -> commit (pu
 version; later requests never reuse KV from older weights) or roll back, leaving the previous
 weights and version serving.
 
+An update with `lora_name` changes a loaded LoRA adapter instead of the base model's weights
+(adapter_update.py): the same checks before any write, its own version label, staged alike.
+
 While generation is paused, updates are staged into one open transaction: they become visible
 together at `continue_generation` (or `update_weight_version`), and a failure rolls all of them
 back. Weights whose values were lost (released without a CPU copy, or a failed update that had
@@ -28,6 +31,7 @@ from typing import Any
 from rollout.config import WeightSyncOptions
 from rollout.control import ControlCall
 from rollout.errors import EXCEPTIONS, InvalidRequest, RequestError, WeightSyncError, kind_of
+from rollout.weight_sync.adapter_update import AdapterUpdates
 from rollout.weight_sync.calls import (
     ContinueGeneration,
     DestroyWeightsUpdateGroup,
@@ -68,6 +72,7 @@ class WeightSyncController:
         self.memory = MemoryOccupation(engine, options.enable_weights_cpu_backup)
         self.groups = UpdateGroups(engine.device)
         self.local = LocalUpdates(engine, self.groups, self._weights_released)
+        self.adapters = AdapterUpdates(engine, lambda: self.local)
         self.others: OtherRankWeights | None = None  # the other tensor-parallel ranks
         self.host_buffers = HostBuffers()
         self.txn: WeightTransaction | None = None  # staged while paused
@@ -110,6 +115,7 @@ class WeightSyncController:
             "generation_paused": self.paused_mode,
             "weights_missing": len(self.missing),
             "weight_update_staged": len(self.txn.loaded) if self.txn else 0,
+            **self.adapters.info(),
             **self.groups.info(),
             **self.memory.info(),
         }
@@ -182,17 +188,33 @@ class WeightSyncController:
         waiting = self.groups.after_join(call.group_name, retry)
         if waiting is not None:
             return waiting
+        self._abort_if_asked(call)
+        if call.lora_name is not None:
+            return self.adapters.update(call, PAUSED in self.engine.held_by())
         with self._all_or_nothing(call):
             return self._update(self.local.distributed(call), call.weight_version)
 
     def update_weights_from_tensor(self, call: UpdateWeightsFromTensor) -> Result:
+        self._abort_if_asked(call)
+        if call.lora_name is not None:
+            return self.adapters.update(call, PAUSED in self.engine.held_by())
         with self._all_or_nothing(call), self.local.tensor(call) as update:
             return self._update(update, call.weight_version)
 
     def update_weights_from_disk(self, call: UpdateWeightsFromDisk) -> Result:
         """Every file opened must resolve under one of call.allowed_roots (None: anywhere)."""
+        self._abort_if_asked(call)
+        if call.lora_name is not None:
+            return self.adapters.update(call, PAUSED in self.engine.held_by())
         with self._all_or_nothing(call):
             return self._update(self.local.disk(call), call.weight_version)
+
+    def _abort_if_asked(self, call: Any) -> None:
+        """SGLang's abort_all_requests: the requests in flight end (as aborted) before the
+        update. Without it they go on, and their outputs say where the version changed.
+        flush_cache is not consulted: KV from older weights is never reused either way."""
+        if call.abort_all_requests:
+            self.engine.abort_all()
 
     # ---- the one update path ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -293,11 +315,12 @@ class WeightSyncController:
         """Publishes call.new_version: staged updates commit under it; otherwise a relabel."""
         if call.abort_all_requests:
             self.engine.abort_all()
+        adapters = self.adapters.commit()
         if self.txn is not None:
-            return self._commit(self.txn, call.new_version)
+            return {**self._commit(self.txn, call.new_version), **adapters}
         label = self.versions.publish(call.new_version)
         self.engine.publish_weight_version(label, weights_changed=False)
-        return {"weight_version": label}
+        return {"weight_version": label, **adapters}
 
     # ---- pausing and memory -----------------------------------------------------------------
     def pause_generation(self, call: PauseGeneration) -> Result:
@@ -312,6 +335,7 @@ class WeightSyncController:
 
     def continue_generation(self, call: ContinueGeneration) -> Result:
         out = self._commit(self.txn, self.txn_version) if self.txn is not None else {}
+        out.update(self.adapters.commit())
         self.engine.release_hold(PAUSED)
         self.paused_mode = None
         waiting = self.engine.held_by()
@@ -319,9 +343,11 @@ class WeightSyncController:
         return {**out, "message": f"generation continues{note}"}
 
     def discard_staged_weights(self, call: DiscardStagedWeights) -> Result:
+        adapters = self.adapters.discard()
         if self.txn is None:
-            return {"message": "no update is staged", "discarded": 0}
-        staged = len(self.txn.loaded)
+            message = f"dropped {adapters} staged LoRA adapter updates" if adapters else ""
+            return {"message": message or "no update is staged", "discarded": adapters}
+        staged = len(self.txn.loaded) + adapters
         message = self._roll_back(self.txn, RuntimeError("discarded"))
         return {"message": message.removeprefix("discarded; "), "discarded": staged}
 

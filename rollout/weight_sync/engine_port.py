@@ -8,8 +8,8 @@ runs a control call.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -48,6 +48,34 @@ class WeightModel(Protocol):
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     def get_buffer(self, target: str) -> torch.Tensor: ...
+
+
+class AdapterPort(Protocol):
+    """The engine's loaded LoRA adapters, as weight sync updates them (rollout/engine/
+    lora_manager.py). Tensors are PEFT-named; every refusal is an InvalidRequest naming what
+    is wrong, raised before anything is written."""
+
+    def version_of(self, name: str) -> str:
+        """Adapter `name`'s version label; InvalidRequest when none of that name is loaded."""
+        ...
+
+    def check_values(self, name: str, shapes: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Checks tensors of these names and shapes as new values of some of the modules of
+        adapter `name` (each with both halves, at its rank), before any arrives."""
+        ...
+
+    def write_values(self, name: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Writes checked values into the adapter's slot; the number of modules written."""
+        ...
+
+    def read(self, name: str, path: str, roots: Sequence[str] | None) -> Any:
+        """The PEFT adapter directory `path`, read and checked to replace adapter `name`
+        whole (Forbidden for a file outside `roots`)."""
+        ...
+
+    def replace(self, name: str, adapter: Any, path: str) -> None:
+        """Writes an adapter `read` gave over adapter `name`."""
+        ...
 
 
 class EnginePort(Protocol):
@@ -94,6 +122,18 @@ class EnginePort(Protocol):
     def publish_weight_version(self, version: str, weights_changed: bool) -> None:
         """Outputs from the next step carry `version`; with `weights_changed`, no request
         attached later reuses KV computed with the older weights."""
+        ...
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    @property
+    def adapters(self) -> AdapterPort | None:
+        """The engine's LoRA adapters; None when it serves none."""
+        ...
+
+    def publish_adapter_version(self, name: str, version: str | None) -> str:
+        """After new values of adapter `name`: outputs of its requests carry `version` (None:
+        its label kept), and no request attached later reuses KV of its older values. Returns
+        the label."""
         ...
 
     # ---- memory -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from rollout.control import ControlCall
 from rollout.errors import Forbidden, InvalidRequest, RequestError
 from rollout.models.loader import OutsideRootsError
-from rollout.weight_sync import disk_source, distributed_source
+from rollout.weight_sync import disk_source, distributed_source, serialized_tensors
 from rollout.weight_sync.calls import (
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
@@ -29,6 +29,10 @@ from rollout.weight_sync.engine_port import EnginePort
 from rollout.weight_sync.specs import WeightSpec, check_against_model
 from rollout.weight_sync.tensor_handles import OpenedTensors, check_receivable, open_tensors
 from rollout.weight_sync.update_groups import UpdateGroups
+
+# Checks an update's specs before any tensor arrives (raising a RequestError): by default
+# against the model's weights; a LoRA adapter's update (adapter_update.py) checks its own.
+SpecCheck = Callable[[list[WeightSpec]], object]
 
 
 @dataclass(frozen=True)
@@ -74,23 +78,33 @@ class LocalUpdates:
         else:
             raise TypeError(f"{type(call).__name__} is no weight update")
 
-    def distributed(self, call: UpdateWeightsFromDistributed) -> Update:
+    def _exact(self, specs: list[WeightSpec]) -> list[WeightSpec]:
+        return self.check(specs, exact_dtype=True)
+
+    def distributed(
+        self, call: UpdateWeightsFromDistributed, check: SpecCheck | None = None
+    ) -> Update:
         group = self.groups.get(call.group_name)
         specs = call.specs
         units = distributed_source.broadcast_units(specs, call.load_format)
         try:
-            self.check(specs, exact_dtype=True)
+            (check or self._exact)(specs)
         except RequestError:
-            distributed_source.drain(group, units)  # the trainer is sending: let it finish
+            distributed_source.drain(group, units, call.load_format)  # the trainer is sending: let it finish
             raise
-        stream = lambda: distributed_source.receive(group, units)  # noqa: E731
+        stream = lambda: distributed_source.receive(group, units, call.load_format)  # noqa: E731
         return Update(len(specs), stream, streamed=True)
 
     @contextlib.contextmanager
-    def tensor(self, call: UpdateWeightsFromTensor) -> Iterator[Update]:
+    def tensor(
+        self, call: UpdateWeightsFromTensor, check: SpecCheck | None = None
+    ) -> Iterator[Update]:
+        if call.serialized_named_tensors is not None:
+            yield self.serialized(call, check)
+            return
         handles = call.handles_for(self.rank, self.size)
         check_receivable(handles)
-        self.check(handles.specs, exact_dtype=True)
+        (check or self._exact)(handles.specs)
         opened: list[OpenedTensors] = []
 
         def source() -> Iterable[tuple[str, torch.Tensor]]:
@@ -109,6 +123,15 @@ class LocalUpdates:
                     previous.close()
             elif opened:
                 opened[0].close()
+
+    def serialized(self, call: UpdateWeightsFromTensor, check: SpecCheck | None = None) -> Update:
+        """SGLang's payload for this rank, opened (restricted unpickler) and checked before any
+        weight is written; its tensors are views of the sender's memory."""
+        payload = call.payload_for(self.rank, self.size)
+        named = serialized_tensors.load_named_tensors(payload, call.load_format)
+        specs = [WeightSpec(n, tuple(t.shape), t.dtype) for n, t in named]
+        (check or self._exact)(specs)
+        return Update(len(named), lambda: named, streamed=False)
 
     def disk(self, call: UpdateWeightsFromDisk) -> Update:
         """Every file opened must resolve under one of call.allowed_roots (None: anywhere)."""

@@ -15,9 +15,16 @@ all weights or none.
   `stream_buckets=True` one bucket buffer is reused call after call while generation is
   paused (in place), which the engine applies together when it continues.
 - distributed: the engine joins a group this sender creates (rank 0), each of its
-  tensor-parallel ranks as a member of its own; one broadcast per tensor, or per dtype with
-  load_format="flattened_bucket".
+  tensor-parallel ranks as a member of its own, with SGLang's rendezvous (so an SGLang engine
+  joins it too); one broadcast per tensor, or one for the whole push with
+  load_format="flattened_bucket" (SGLang's wire format: see distributed_source.py).
 - disk: writes a safetensors checkpoint (with the engine's config.json) to `disk_dir`.
+
+A PEFT model (LoRA parameters, adapter_weights.py) pushes only its active adapter's lora_A /
+lora_B tensors, to the adapter the engine has loaded as `lora_name` (through disk: a PEFT
+adapter directory). A rank-32 adapter is a fraction of a percent of the model's bytes.
+
+    sender.push(peft_model, weight_version=f"step-{step}", lora_name="policy")
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout.weight_sync import distributed_source
+from rollout.weight_sync import adapter_weights, distributed_source
 from rollout.weight_sync.calls import DEFAULT_GROUP
 from rollout.weight_sync.flat_bucket import FlatBucket, layout
 from rollout.weight_sync.specs import WeightSpec, check_unique, dtype_name, parse_dtype
@@ -64,7 +71,9 @@ class WeightSender:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         stream_buckets: bool = False,
         disk_dir: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
+        """lora_name: the engine's adapter that a push goes to when it names none."""
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -80,6 +89,8 @@ class WeightSender:
         # or all the replicas' ranks of a RolloutPool.
         self.engine_ranks = info.get("weight_group_ranks", info.get("tp_size", 1))
         self.group: UpdateGroup | None = None
+        self.lora_name = lora_name
+        self._lora: str | None = None  # the adapter the push under way goes to
         self._buckets: list[FlatBucket] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sender")
 
@@ -107,16 +118,50 @@ class WeightSender:
     # ---- pushing ----------------------------------------------------------------------------
     def push(
         self, weights: nn.Module | Mapping[str, torch.Tensor], weight_version: str | None = None,
-        load_format: str | None = None,
+        load_format: str | None = None, lora_name: str | None = None,
     ) -> dict:  # fmt: skip
         """Pushes every weight; returns the engine's result (it raises if the update failed,
-        leaving the engine's previous weights serving). `load_format` is for distributed."""
-        named = named_weights(weights)
+        leaving the engine's previous weights serving). `load_format` is for distributed.
+        A PEFT model pushes only its adapter, to the engine's loaded adapter `lora_name` (a
+        dict of PEFT-named LoRA tensors does too, with lora_name)."""
+        lora_name = lora_name or self.lora_name
+        is_peft = isinstance(weights, nn.Module) and adapter_weights.has_lora(weights)
+        if is_peft and lora_name is None:
+            raise ValueError(
+                f"{type(weights).__name__} has LoRA weights: pass lora_name (the adapter the "
+                f"engine loaded) to push the adapter, or push the merged model "
+                f"(merge_and_unload()) to the base weights"
+            )
+        if lora_name is not None:
+            named = adapter_weights.lora_weights(weights) if is_peft else named_weights(weights)
+            if isinstance(weights, nn.Module) and not is_peft:
+                raise ValueError(f"lora_name={lora_name!r} needs a PEFT model or a dict of LoRA tensors")
+            self._lora = lora_name
+        else:
+            named, self._lora = named_weights(weights), None
         if self.method == "distributed":
             return self._push_distributed(named, weight_version, load_format)
         if self.method == "disk":
+            if lora_name is not None:
+                return self._push_adapter_dir(weights, named, weight_version)
             return self._push_disk(named, weight_version)
         return self._push_tensor(named, weight_version)
+
+    def _lora_kw(self) -> dict[str, str]:
+        """lora_name for the engine's call, only when pushing an adapter (an SGLang target
+        has no such argument)."""
+        return {} if self._lora is None else {"lora_name": self._lora}
+
+    def _push_adapter_dir(self, weights: Any, named: list, version: str | None) -> dict:
+        if not isinstance(weights, nn.Module):
+            raise ValueError("a disk push of an adapter needs the PeftModel (its adapter_config)")
+        assert self.disk_dir is not None
+        config = adapter_weights.adapter_config(weights)
+        named = [(n, t.to(self.dtype)) for n, t in named]
+        adapter_weights.write_adapter_dir(self.disk_dir, config, named)
+        return self.target.update_weights_from_disk(
+            self.disk_dir, weight_version=version, lora_name=self._lora
+        )
 
     def _push_distributed(self, named: list, version: str | None, load_format: str | None) -> dict:
         if self.group is None:
@@ -125,7 +170,7 @@ class WeightSender:
         done = self._pool.submit(
             self.target.update_weights_from_distributed,
             [n for n, _ in named], [dtype_name(self.dtype)] * len(named), [list(t.shape) for _, t in named],
-            self.group.name, True, version, load_format,
+            self.group.name, True, version, load_format, **self._lora_kw(),
         )  # fmt: skip
         try:
             distributed_source.send(self.group, named, load_format)
@@ -135,13 +180,15 @@ class WeightSender:
 
     def _push_tensor(self, named: list, version: str | None) -> dict:
         if all(t.is_cuda and t.dtype == self.dtype and t.is_contiguous() for _, t in named):
-            return self.target.update_weights_from_tensor(named, weight_version=version)
+            return self.target.update_weights_from_tensor(named, weight_version=version, **self._lora_kw())
         groups = self._bucket_groups(named)
         if not self.stream_buckets:
             buckets = self._ensure_buckets(groups, named[0][1].device)
             for bucket, group in zip(buckets, groups):
                 bucket.fill(group)
-            return self.target.update_weights_from_tensor(buckets, "flattened_bucket", weight_version=version)
+            return self.target.update_weights_from_tensor(
+                buckets, "flattened_bucket", weight_version=version, **self._lora_kw()
+            )
         return self._push_streamed(groups, named[0][1].device, version)
 
     def _push_streamed(self, groups: list, device: torch.device, version: str | None) -> dict:
@@ -153,7 +200,9 @@ class WeightSender:
                 specs = [WeightSpec(n, tuple(t.shape), self.dtype) for n, t in group]
                 bucket = self._shared_bucket(specs, device)
                 bucket.fill(group)
-                self.target.update_weights_from_tensor(bucket, "flattened_bucket", weight_version=version)
+                self.target.update_weights_from_tensor(
+                    bucket, "flattened_bucket", weight_version=version, **self._lora_kw()
+                )
         finally:
             result = self.target.continue_generation() if not was_paused else {"success": True}
         return result
@@ -162,7 +211,10 @@ class WeightSender:
         groups, size = [[]], 0
         for name, tensor in named:
             nbytes = tensor.numel() * self.dtype.itemsize
-            if groups[-1] and size + nbytes > self.bucket_bytes:
+            # NOTE: a LoRA module's lora_B stays with its lora_A: an adapter update carries
+            # both halves of every module it changes.
+            pair = bool(groups[-1]) and groups[-1][-1][0].replace(".lora_A.", ".lora_B.") == name
+            if groups[-1] and size + nbytes > self.bucket_bytes and not pair:
                 groups.append([])
                 size = 0
             groups[-1].append((name, tensor))

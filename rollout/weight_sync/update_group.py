@@ -1,9 +1,18 @@
 """UpdateGroup: the process group a trainer (rank 0) and the engine's ranks join to move weights.
 
-It is made directly from a TCPStore and a ProcessGroupGloo / ProcessGroupNCCL, never through
-`torch.distributed.init_process_group`, so neither side's default group is touched (a trainer
-already has one). Rank 0 hosts the store and is the only sender. Joining and every broadcast
-are bounded by the group's timeout; a group whose broadcast failed is closed (join a new one).
+The rendezvous is SGLang's, so an unmodified SGLang-style trainer (slime, AReaL, verl: they build
+the group with `init_process_group`-style code) and our own WeightSender meet the engine alike:
+- every rank opens the store at `tcp://{master_address}:{master_port}` as
+  `torch.distributed.rendezvous` does (rank 0 hosts a TCPStore and waits until all
+  `world_size` ranks have connected);
+- the group's keys live under `PrefixStore(group_name, store)`, and inside it where torch's
+  process-group helper puts a backend's keys (`{group_name}/` then `{device}/`);
+- nothing else: no handshake, no extra broadcast. The first broadcast is the first weights.
+
+The group is made directly as a ProcessGroupGloo / ProcessGroupNCCL over that store, never
+registered with `torch.distributed`'s global state, so neither side's default group is touched
+(a trainer already has one). Joining and every broadcast are bounded by the group's timeout; a
+group whose broadcast failed is closed (join a new one).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from rollout.errors import InvalidRequest, WeightSyncError
 
@@ -50,25 +60,6 @@ def check_group_args(
         raise InvalidRequest(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
-def check_distinct_gpus(store: Any, rank: int, world_size: int, device: torch.device) -> None:
-    """Every NCCL rank must sit on its own GPU: NCCL refuses two ranks of one communicator on
-    one device (a colocated trainer and engine), and that refusal surfaces as a hang or an
-    obscure error later. The ranks compare GPU UUIDs through the store first."""
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    store.set(f"gpu/{rank}", uuid)
-    same = [r for r in range(world_size) if r != rank and store.get(f"gpu/{r}").decode() == uuid]
-    # Rank 0 hosts the store: it stays until every rank has read what it needs from it.
-    store.set(f"gpu-checked/{rank}", "1")
-    if rank == 0:
-        store.wait([f"gpu-checked/{r}" for r in range(world_size)])
-    if same:
-        raise InvalidRequest(
-            f"ranks {min(rank, same[0])} and {max(rank, same[0])} of the weight update group are "
-            f"on the same GPU ({device}, {uuid}); NCCL needs one GPU per rank. For a trainer on "
-            f"the engine's GPU use update_weights_from_tensor (CUDA IPC handles), or gloo"
-        )
-
-
 @dataclass
 class UpdateGroup:
     name: str
@@ -92,8 +83,10 @@ class UpdateGroup:
         timeout_s: float,
         device: torch.device | str | None = None,
     ) -> UpdateGroup:
-        """Joins (rank 0: creates) the group; returns once every rank has joined, or raises
-        WeightSyncError after `timeout_s`. `device`: the GPU an NCCL rank uses."""
+        """Joins (rank 0: creates) the group; returns once every rank has joined (with nccl,
+        ranks other than 0 return once the store is reached: the communicator forms at the
+        first broadcast), or raises WeightSyncError after `timeout_s`. `device`: the GPU an
+        NCCL rank uses."""
         check_group_args(master_address, master_port, rank, world_size, group_name, backend)
         if backend == "nccl":
             if device is None or torch.device(device).type != "cuda":
@@ -105,28 +98,13 @@ class UpdateGroup:
         buffers = torch.device(device) if backend == "nccl" else torch.device("cpu")
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            store = dist.TCPStore(
-                master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                wait_for_workers=False,
-            )
-            prefixed = dist.PrefixStore(f"rollout-weights/{group_name}", store)
-            if backend == "nccl":
-                check_distinct_gpus(prefixed, rank, world_size, buffers)
-            if backend == "gloo":
-                pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-            else:
-                opts = dist.ProcessGroupNCCL.Options()
-                opts.is_high_priority_stream = False
-                opts._timeout = datetime.timedelta(seconds=timeout_s + NCCL_WATCHDOG_MARGIN_S)
-                pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        except (RuntimeError, OSError) as e:
+            pg, store = _open(master_address, master_port, rank, world_size, group_name, backend, timeout)
+        except (RuntimeError, OSError, ValueError) as e:
             raise WeightSyncError(
                 f"could not join weight update group {group_name!r} at {master_address}:{master_port} "
                 f"as rank {rank} of {world_size} within {timeout_s:g} s: {e}"
             ) from e
-        group = cls(group_name, backend, rank, world_size, timeout_s, buffers, pg, store)
-        group.broadcast(torch.zeros(1, device=buffers), "joining")  # every rank is there
-        return group
+        return cls(group_name, backend, rank, world_size, timeout_s, buffers, pg, store)
 
     def broadcast(self, tensor: torch.Tensor, what: str = "a broadcast") -> None:
         """Sends `tensor` (rank 0) or receives into it (others), within the group's timeout.
@@ -141,6 +119,12 @@ class UpdateGroup:
             self._wait(work)
         except (RuntimeError, TimeoutError) as e:
             self.close(failed=True)
+            if "Duplicate GPU" in str(e):
+                raise InvalidRequest(
+                    f"two ranks of weight update group {self.name!r} are on the same GPU; NCCL "
+                    f"needs one GPU per rank. For a trainer on the engine's GPU use "
+                    f"update_weights_from_tensor (CUDA IPC handles), or gloo ({e})"
+                ) from e
             peer = "the trainer" if self.rank else "an engine rank"
             raise WeightSyncError(
                 f"{what} in weight update group {self.name!r} failed ({peer} died, stalled for "
@@ -182,3 +166,28 @@ class UpdateGroup:
     @property
     def closed(self) -> bool:
         return self._pg is None
+
+
+def _open(
+    master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+    backend: str, timeout: datetime.timedelta,
+) -> tuple[Any, Any]:  # fmt: skip
+    """The backend process group and its store, keyed exactly as an SGLang-style trainer's
+    `init_custom_process_group(init_method="tcp://...", group_name=...)` keys its own."""
+    url = f"tcp://{master_address}:{master_port}"
+    store, _, _ = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    grouped = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    # NOTE: torch's process-group helper gives each device's backend the prefix "{device}/";
+    # gloo serves both devices with one backend under the first ("cpu"), nccl is "cuda".
+    device = next(iter(BackendConfig(Backend(backend)).get_device_backend_map()))
+    keys = dist.PrefixStore(f"{device}/", grouped)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(keys, rank, world_size, timeout)
+    else:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout + datetime.timedelta(seconds=NCCL_WATCHDOG_MARGIN_S)
+        pg = dist.ProcessGroupNCCL(keys, rank, world_size, opts)
+    pg._set_sequence_number_for_group()  # as the helper does; gloo ranks > 0 read rank 0's
+    return pg, store

@@ -1,8 +1,11 @@
 """Weight version labels: what `meta_info.weight_version` says.
 
-A trainer names versions (`weight_version="step-12"`). An update that names none still changes
-the weights, so the label changes too: "<last named version>+<updates since>", e.g.
-"step-12+1" ("default+1" before any was named). Labels only ever name committed weights.
+A trainer names versions (`weight_version="step-12"`). As in SGLang, an update that names none
+keeps the current label: the label says which version the trainer last named, not how many
+updates happened. What tells two sets of weights apart under one label is the scheduler's
+count of weight changes (`weight_updates` in get_server_info) and, inside one request, its
+`weight_version_changes`, which list every update that happened while it ran, named or not.
+Labels only ever name committed weights.
 """
 
 from __future__ import annotations
@@ -27,18 +30,11 @@ def check_version(value: Any, what: str = "weight_version") -> str | None:
 
 class VersionLabels:
     def __init__(self, initial: str = INITIAL) -> None:
-        self.named = initial
-        self.unnamed = 0  # committed updates since `named` was set
-
-    @property
-    def current(self) -> str:
-        return self.named if self.unnamed == 0 else f"{self.named}+{self.unnamed}"
+        self.current = initial
 
     def publish(self, explicit: str | None) -> str:
-        """The label for the weights just committed (or relabelled): `explicit`, or the next
-        unnamed one."""
+        """The label for the weights just committed (or relabelled): `explicit`, or the
+        current one kept."""
         if explicit is not None:
-            self.named, self.unnamed = explicit, 0
-        else:
-            self.unnamed += 1
+            self.current = explicit
         return self.current

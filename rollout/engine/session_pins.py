@@ -1,0 +1,60 @@
+"""SessionPins: the KV that open sessions keep locked in the radix cache between turns.
+
+When a turn of a session finishes, its KV goes to the prefix cache as any request's does, and
+the session locks the cached path of its tokens, so the next turn finds it however many other
+requests ran in between. The locks go when the session closes, when the cache is flushed, or
+when the weights change (KV of older weights is never reused): a later turn then recomputes
+what it no longer finds. Sessions never lock more than MAX_PINNED_SHARE of the pool (counting
+the prefixes running requests lock): beyond that a turn's KV stays in the cache unpinned, so
+open sessions can't starve new requests of KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from rollout.engine.radix_cache import RadixCache, TreeNode
+
+MAX_PINNED_SHARE = 0.5
+
+
+class SessionPins:
+    def __init__(self, num_slots: int) -> None:
+        self.limit = int(num_slots * MAX_PINNED_SHARE)
+        self.nodes: dict[str, list[TreeNode]] = {}  # session id -> the nodes it locked
+
+    def pin(
+        self, cache: RadixCache, session_id: str, tokens: list[int], namespace: Hashable = None
+    ) -> None:
+        """Locks the cached prefix of `tokens` (a finished turn's, in its cache namespace) for
+        the session."""
+        if cache.disable or not tokens:
+            return
+        node = cache.match_prefix(tokens, namespace).node
+        if node.parent is None:  # a root: nothing cached
+            return
+        if cache.protected_size() + _unlocked_len(node) > self.limit:
+            return
+        cache.lock(node)
+        self.nodes.setdefault(session_id, []).append(node)
+
+    def unpin(self, cache: RadixCache, session_id: str) -> None:
+        """Unlocks what the session locked (its KV stays cached, evictable)."""
+        for node in self.nodes.pop(session_id, []):
+            cache.unlock(node)
+
+    def unpin_all(self, cache: RadixCache) -> None:
+        for session_id in list(self.nodes):
+            self.unpin(cache, session_id)
+
+    def pinned_sessions(self) -> int:
+        return len(self.nodes)
+
+
+def _unlocked_len(node: TreeNode) -> int:
+    """Tokens on the path to `node` that no lock protects yet."""
+    total = 0
+    while node.parent is not None and node.lock_ref == 0:
+        total += len(node)
+        node = node.parent
+    return total

@@ -1,0 +1,178 @@
+"""AdapterUpdates: weight sync of a loaded LoRA adapter (an update call with `lora_name`).
+
+A LoRA trainer pushes only its adapter: the tensors are PEFT-named
+(`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, with or without the
+`base_model.model.` prefix, or a live PeftModel's `...lora_A.default.weight`), any floating
+dtype (the slots cast). Each source, all or nothing:
+
+- tensor and distributed: new values for some or all of the modules the adapter was loaded
+  with, each module with both halves at the adapter's rank (rank, alpha and which modules it
+  adapts are fixed at load: a different adapter is loaded from a directory). The names and
+  shapes are checked before any tensor is opened or received (a refused broadcast is still
+  taken and dropped, so the trainer finishes its call); a broadcast is received whole before
+  the first write, so a transfer that fails midway changes nothing.
+- disk: `model_path` is a PEFT adapter directory that replaces the adapter whole (any rank up
+  to max_lora_rank, any modules within lora_target_modules), read and checked first.
+
+After the write the adapter's version is published (EnginePort.publish_adapter_version): its
+requests' outputs carry the update's weight_version (none: the adapter's label is kept), and no
+request attached later reuses KV of its older values. The base model's weights and version are
+untouched.
+
+While generation is paused, updates are staged instead (copies of their tensors: the sender may
+reuse its buffers) and written together at continue_generation (or update_weight_version);
+discard_staged_weights drops them. A staged update that no longer fits at that point (its
+adapter was unloaded meanwhile) is dropped, and the reply says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout.errors import InvalidRequest, RequestError
+from rollout.weight_sync.calls import (
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+)
+from rollout.weight_sync.engine_port import AdapterPort, EnginePort
+from rollout.weight_sync.local_update import LocalUpdates
+from rollout.weight_sync.specs import WeightSpec
+
+logger = logging.getLogger(__name__)
+
+Result = dict[str, Any]
+AdapterCall = UpdateWeightsFromTensor | UpdateWeightsFromDistributed | UpdateWeightsFromDisk
+
+
+@dataclass
+class _Staged:
+    """One adapter's updates staged while paused, in the order they came."""
+
+    writes: list[Callable[[AdapterPort], object]] = field(default_factory=list)
+    version: str | None = None  # the last one named
+
+
+class AdapterUpdates:
+    def __init__(self, engine: EnginePort, local: Callable[[], LocalUpdates]) -> None:
+        """local(): the controller's LocalUpdates now (its sources and released weights)."""
+        self.engine = engine
+        self._local = local
+        self.staged: dict[str, _Staged] = {}  # adapter name -> its staged updates
+
+    def _adapters(self, name: str) -> AdapterPort:
+        adapters = self.engine.adapters
+        if adapters is None:
+            raise InvalidRequest(
+                "lora_name names a LoRA adapter, but this engine serves none: start it with "
+                "enable_lora (or lora_paths)"
+            )
+        adapters.version_of(name)  # InvalidRequest unless it is loaded
+        if self._local().released():
+            raise InvalidRequest("the weights are released; call resume_memory_occupation first")
+        return adapters
+
+    def _check(self, name: str) -> Callable[[list[WeightSpec]], None]:
+        """The check of a tensor or distributed update's specs, run before any tensor is opened
+        or received (a refused broadcast is then drained: every refusal must happen here)."""
+
+        def check(specs: list[WeightSpec]) -> None:
+            adapters = self._adapters(name)
+            bad = [s.name for s in specs if not s.dtype.is_floating_point]
+            if bad:
+                raise InvalidRequest(f"LoRA weights must be floating-point tensors: {bad[:3]}")
+            adapters.check_values(name, [(s.name, s.shape) for s in specs])
+
+        return check
+
+    # ---- the three sources ------------------------------------------------------------------
+    def update(self, call: AdapterCall, staged: bool) -> Result:
+        """Runs an update with call.lora_name: written and published now, or with `staged`
+        (generation paused) kept until `commit`."""
+        name = call.lora_name
+        assert name is not None
+        local = self._local()
+        if isinstance(call, UpdateWeightsFromDisk):
+            adapter = self._adapters(name).read(name, call.model_path, call.allowed_roots)
+            path = call.model_path
+            return self._apply(name, lambda port: port.replace(name, adapter, path), call, staged)
+        if isinstance(call, UpdateWeightsFromDistributed):
+            update = local.distributed(call, self._check(name))
+            named = list(update.tensors())  # every broadcast, before the first write
+            return self._apply(name, _values(name, named, staged), call, staged)
+        with local.tensor(call, self._check(name)) as update:
+            named = list(update.tensors())
+            return self._apply(name, _values(name, named, staged), call, staged)
+
+    def _apply(
+        self, name: str, write: Callable[[AdapterPort], object], call: AdapterCall, staged: bool
+    ) -> Result:
+        if staged:
+            entry = self.staged.setdefault(name, _Staged())
+            entry.writes.append(write)
+            entry.version = call.weight_version or entry.version
+            message = (
+                f"staged an update of LoRA adapter {name!r}; it applies at continue_generation"
+            )
+            return {"message": message, "staged": True, "lora_name": name}
+        adapters = self.engine.adapters
+        assert adapters is not None
+        modules = write(adapters)
+        label = self.engine.publish_adapter_version(name, call.weight_version)
+        what = f"{modules} modules of" if isinstance(modules, int) else "the whole of"
+        return {
+            "message": f"loaded {what} LoRA adapter {name!r}",
+            "weight_version": label,
+            "lora_name": name,
+        }
+
+    # ---- staged updates ---------------------------------------------------------------------
+    def commit(self) -> Result:
+        """Writes every staged update and publishes each adapter's version. An adapter whose
+        staged update no longer fits is skipped (the reply names it); the others apply."""
+        staged, self.staged = self.staged, {}
+        versions, dropped = {}, []
+        adapters = self.engine.adapters
+        for name, entry in staged.items():
+            written = 0
+            try:
+                if adapters is None:
+                    raise InvalidRequest("the engine serves no LoRA adapters")
+                adapters.version_of(name)
+                for write in entry.writes:
+                    write(adapters)
+                    written += 1
+            except (RequestError, ValueError) as e:
+                logger.warning("a staged update of LoRA adapter %s was dropped: %s", name, e)
+                dropped.append(f"{name}: {e}")
+                if not written:
+                    continue
+            versions[name] = self.engine.publish_adapter_version(name, entry.version)
+        out: Result = {"lora_weight_versions": versions} if versions else {}
+        if dropped:
+            out["lora_updates_dropped"] = dropped
+        return out
+
+    def discard(self) -> int:
+        """Drops every staged update; how many there were."""
+        count = sum(len(entry.writes) for entry in self.staged.values())
+        self.staged = {}
+        return count
+
+    def info(self) -> dict[str, int]:
+        return {"lora_update_staged": sum(len(e.writes) for e in self.staged.values())}
+
+
+def _values(
+    name: str, named: list[tuple[str, torch.Tensor]], keep: bool
+) -> Callable[[AdapterPort], int]:
+    """The write of new values; with `keep`, of copies made now (the sender's buffers are
+    only ours until its call returns)."""
+    if keep:
+        named = [(n, t.clone()) for n, t in named]
+    return lambda adapters: adapters.write_values(name, named)
