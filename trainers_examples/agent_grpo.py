@@ -40,11 +40,10 @@ from example_setup import (
     checkpoint,
     engine_options,
     load_policy,
-    push_weights,
     resolve_devices,
 )
-from grpo import ppo_clip_loss
-from rollout_batch import RolloutBatch, TokenBatch, logprob_gap, optimize
+from grpo import ppo_clip_loss, train_and_push
+from rollout_batch import RolloutBatch, TokenBatch
 from run_log import RunLog
 from toy_task import DigitTask
 
@@ -239,20 +238,11 @@ def train(args: argparse.Namespace, engine: Any, policy: torch.nn.Module) -> dic
             rollout_s = time.perf_counter() - start
             batch = TrajectoryBatch(trajectories, torch.tensor(rewards), args.n)
 
-            engine.release_memory_occupation()
-            gap = logprob_gap(policy, batch, args.micro_batch, args.trainer_device)
-            stats = optimize(with_prior, optimizer, batch, token_loss, args)
             version = f"step-{step + 1}"
-            sync_s = push_weights(engine, sender, policy, version)
-
-            log.log(step + 1, {
-                "reward": batch.rewards.mean().item(),
-                "logprob_gap": gap,
-                "weight_sync_s": sync_s,
-                "rollout_tokens_per_s": batch.num_tokens / rollout_s,
-                **rates,
-                **stats,
-            })  # fmt: skip
+            stats = train_and_push(
+                engine, sender, policy, optimizer, batch, token_loss, args, version, with_prior
+            )
+            log.log(step + 1, {"rollout_tokens_per_s": batch.num_tokens / rollout_s, **rates, **stats})
     finally:
         sender.close()
     final = log.history[-1] if log.history else {}

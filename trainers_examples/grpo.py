@@ -154,22 +154,28 @@ def train(args: argparse.Namespace, engine: Any, policy: torch.nn.Module) -> dic
             outputs, rollout_s = generate_rollouts(engine, prompts, params, version)
             batch = RolloutBatch.from_outputs(prompts, outputs, args.n, task.reward)
 
-            engine.release_memory_occupation()  # the training phase has the device to itself
-            gap = logprob_gap(policy, batch, args.micro_batch, args.trainer_device)
-            stats = optimize(policy, optimizer, batch, token_loss, args)
             version = f"step-{step + 1}"
-            sync_s = push_weights(engine, sender, policy, version)
-
-            log.log(step + 1, {
-                "reward": batch.rewards.mean().item(),
-                "logprob_gap": gap,
-                "weight_sync_s": sync_s,
-                "rollout_tokens_per_s": batch.num_tokens / rollout_s,
-                **stats,
-            })  # fmt: skip
+            stats = train_and_push(engine, sender, policy, optimizer, batch, token_loss, args, version)
+            log.log(step + 1, {"rollout_tokens_per_s": batch.num_tokens / rollout_s, **stats})
     finally:
         sender.close()
     return log.finish(weight_version=version)
+
+
+def train_and_push(
+    engine: Any, sender: Any, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    batch: RolloutBatch, token_loss: Any, args: argparse.Namespace, version: str,
+    model: torch.nn.Module | None = None,
+) -> dict:  # fmt: skip
+    """The training half of a step: the engine gives its memory back, the trainer measures the
+    logprob gap on the batch and optimizes `model` (default: the policy) on it, then the policy's
+    weights go to the engine as `version`. Returns the step's statistics."""
+    engine.release_memory_occupation()  # the training phase has the device to itself
+    gap = logprob_gap(policy, batch, args.micro_batch, args.trainer_device)
+    stats = optimize(model or policy, optimizer, batch, token_loss, args)
+    sync_s = push_weights(engine, sender, policy, version)
+    reward = batch.rewards.mean().item()
+    return {"reward": reward, "logprob_gap": gap, "weight_sync_s": sync_s, **stats}
 
 
 if __name__ == "__main__":

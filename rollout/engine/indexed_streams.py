@@ -13,33 +13,40 @@ from rollout.engine.messages import TokenizedRequest
 _DONE = object()
 
 
-async def merge(tm: Any, inputs: list[TokenizedRequest]) -> AsyncIterator[dict]:
-    """Runs on the engine's loop. `tm`: the TokenizerManager; `inputs`: the call's samples, in
-    answer order, each with stream set. The first error of any sample is raised; closing the
-    iterator early (or an error) aborts the samples still running."""
+async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """(i, item) from every stream as they come, all streams running at once; the first error
+    of any is raised, and closing the iterator early (or an error) cancels the others."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, inp: TokenizedRequest) -> None:
+    async def pump(i: int, stream: AsyncIterator[Any]) -> None:
         try:
-            async for out in tm.generate(inp):
-                queue.put_nowait((i, {**out, "index": i}))
-        except Exception as e:  # noqa: BLE001 - raised to the consumer
+            async for item in stream:
+                queue.put_nowait((i, item))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
             queue.put_nowait((i, e))
         finally:
             queue.put_nowait((i, _DONE))
 
-    tasks = [asyncio.ensure_future(pump(i, inp)) for i, inp in enumerate(inputs)]
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:
-            _, item = await queue.get()
+            i, item = await queue.get()
             if item is _DONE:
                 remaining -= 1
-            elif isinstance(item, Exception):
+            elif isinstance(item, BaseException):
                 raise item
             else:
-                yield item
+                yield i, item
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def merge(tm: Any, inputs: list[TokenizedRequest]) -> AsyncIterator[dict]:
+    """Runs on the engine's loop. `tm`: the TokenizerManager; `inputs`: the call's samples, in
+    answer order, each with stream set. The first error of any sample is raised; closing the
+    iterator early (or an error) aborts the samples still running."""
+    async for i, out in merge_streams([tm.generate(inp) for inp in inputs]):
+        yield {**out, "index": i}

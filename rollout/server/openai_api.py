@@ -29,6 +29,7 @@ from rollout.server.openai_format import (
 )
 from rollout.server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from rollout.server.responses import check_model, is_large, json_response, model_adapter
+from rollout.server.stream_fanout import first_outputs
 from rollout.server.streaming import (
     error_event,
     gather_streams,
@@ -154,22 +155,7 @@ async def _open_streams(
                     lora_path=lora,
                 )
             )
-    firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
-    failed = [f for f in firsts if isinstance(f, BaseException)]
-    if failed:
-        for s in streams:
-            await s.aclose()
-        raise failed[0]
-    return [_chain(first, s) for first, s in zip(firsts, streams)]
-
-
-async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
+    return await first_outputs(streams)
 
 
 def _stream(

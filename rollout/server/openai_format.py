@@ -19,17 +19,25 @@ def matched_stop(meta: dict) -> Any:
 
 def completion_logprobs(meta: dict, text_of: TokenText, start: int, offset0: int) -> dict:
     """Legacy completions logprobs of output tokens [start:], text offsets counted from offset0."""
+    entries = meta.get("output_token_logprobs", [])
+    return _legacy_logprobs(entries, meta.get("output_top_logprobs"), text_of, start, offset0)
+
+
+def _legacy_logprobs(
+    entries: list, tops: list | None, text_of: TokenText, start: int, offset: int
+) -> dict:
+    """The legacy completions logprobs object of entries[start:] ((logprob, id, text) each)
+    and their top-logprob lists, text offsets counted from `offset`."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    offset = offset0
-    tops = meta.get("output_top_logprobs") or []
-    for i, (lp, tid, _) in enumerate(meta.get("output_token_logprobs", [])[start:], start):
+    tops = tops or []
+    for i, (lp, tid, _) in enumerate(entries[start:], start):
         text = text_of(tid)
         tokens.append(text)
         token_logprobs.append(lp)
         offsets.append(offset)
         offset += len(text)
-        entries = tops[i] if i < len(tops) and tops[i] else []
-        top.append({text_of(t): v for v, t, _ in entries} if entries else None)
+        best = tops[i] if i < len(tops) and tops[i] else []
+        top.append({text_of(t): v for v, t, _ in best} if best else None)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -76,23 +84,8 @@ def usage(outputs: list[dict], n: int) -> dict:
 def prompt_logprobs(meta: dict, text_of: TokenText) -> dict:
     """Legacy completions logprobs of the prompt's tokens (echo with logprobs), offsets from 0:
     the first token has no logprob (nothing comes before it)."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    offset = 0
-    tops = meta.get("input_top_logprobs") or []
-    for i, (lp, tid, _) in enumerate(meta.get("input_token_logprobs") or []):
-        text = text_of(tid)
-        tokens.append(text)
-        token_logprobs.append(lp)
-        offsets.append(offset)
-        offset += len(text)
-        entries = tops[i] if i < len(tops) and tops[i] else []
-        top.append({text_of(t): v for v, t, _ in entries} if entries else None)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
+    entries = meta.get("input_token_logprobs") or []
+    return _legacy_logprobs(entries, meta.get("input_top_logprobs"), text_of, 0, 0)
 
 
 def join_logprobs(first: dict, then: dict) -> dict:

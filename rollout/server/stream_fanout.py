@@ -70,16 +70,19 @@ async def open_fanout(engine: Any, call: GenerateRequest) -> AsyncIterator[dict]
     before the 200. Returns the merged stream, each item with its `index`."""
     await engine.run_in_worker(engine.validate_generate, call)
     streams = [await engine.async_generate(sample) for sample in split(call)]
+    return gather_streams(await first_outputs(streams), lambda i, out: [{**out, "index": i}])
+
+
+async def first_outputs(streams: list[AsyncIterator[dict]]) -> list[AsyncIterator[dict]]:
+    """Waits for every stream's first output; if any failed, closes them all and raises the
+    first failure. Returns the streams, each from its first output on."""
     firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
     failed = [f for f in firsts if isinstance(f, BaseException)]
     if failed:
         for s in streams:
             await s.aclose()
         raise failed[0]
-    return gather_streams(
-        [_chain(first, s) for first, s in zip(firsts, streams)],
-        lambda i, out: [{**out, "index": i}],
-    )
+    return [_chain(first, s) for first, s in zip(firsts, streams)]
 
 
 async def _chain(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:

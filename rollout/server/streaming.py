@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from rollout.engine.indexed_streams import merge_streams
 from rollout.server.json_render import render_in_pieces
 from rollout.server.responses import describe_failure, is_large
 
@@ -112,30 +113,6 @@ async def gather_streams(
 ) -> AsyncIterator[str]:
     """Merges several streams (the n choices of one OpenAI request) as they produce items;
     `on_item(choice_index, item)` turns each item into SSE events. Cancelling stops them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: AsyncIterator[dict]) -> None:
-        try:
-            async for item in stream:
-                await queue.put((i, item))
-        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, done))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                for event in on_item(i, item):
-                    yield event
-    finally:
-        for t in tasks:
-            t.cancel()
+    async for i, item in merge_streams(streams):
+        for event in on_item(i, item):
+            yield event

@@ -3,11 +3,14 @@ both over HTTP (the payload as sent) and through the Engine API (the same fields
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
 
 import httpx
+import torch
+from safetensors.torch import load_file
 
 # Headers slime and verl send to every call; `Bearer None` when the server has no key.
 NO_KEY_HEADERS = {"Content-Type": "application/json; charset=utf-8", "Authorization": "Bearer None"}
@@ -58,3 +61,8 @@ def wait_generating(http: httpx.Client, at_least: int = 10, timeout: float = 60)
     while http.get("/get_server_info").json()["generated_tokens"] < start + at_least:
         assert time.monotonic() < deadline, "no request started generating"
         time.sleep(0.02)
+
+
+def checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of a tiny checkpoint's model.safetensors."""
+    return list(load_file(os.path.join(path, "model.safetensors")).items())

@@ -18,10 +18,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import start_server, stop_server
 from sglang_shapes import assert_generate_shape, engine_generate, run_in_thread, wait_generating
-
-from rollout.engine.engine import RolloutEngine
 
 PROMPT_IDS = [21, 530, 8, 77, 164, 3, 812]
 
@@ -65,19 +62,6 @@ def agenerate(http: httpx.Client, input_ids: list[int], max_new_tokens: int) -> 
         payload["sampling_params"]["max_new_tokens"] -= len(out)
     return {"tokens": tokens, "logprobs": logprobs, "interrupted": interrupted,
             "stop_reason": stop_reason}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def server(tiny_qwen3):
-    proc, url = start_server(tiny_qwen3)
-    yield url
-    stop_server(proc)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3):
-    with RolloutEngine(tiny_qwen3, dtype="float32", device="cpu") as eng:
-        yield eng
 
 
 def test_health_and_generate_payload_over_http_and_the_engine(server, engine):

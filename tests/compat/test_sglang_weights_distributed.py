@@ -13,7 +13,6 @@ helper, then one `dist.broadcast` per tensor, or one of every tensor's bytes con
 from __future__ import annotations
 
 import datetime
-import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,11 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from hf_reference import hf_greedy
-from safetensors.torch import load_file
 from server_helpers import free_port, start_server, stop_server
+from sglang_shapes import checkpoint_tensors
 from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
-
-from rollout import RolloutEngine
 
 NEW_TOKENS = 8
 GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
@@ -69,10 +66,6 @@ def update_args(named: list[tuple[str, torch.Tensor]], group_name: str, **extra)
         "group_name": group_name,
         **extra,
     }
-
-
-def _weights(path: str) -> list[tuple[str, torch.Tensor]]:
-    return list(load_file(os.path.join(path, "model.safetensors")).items())
 
 
 @pytest.fixture(scope="module")
@@ -127,19 +120,19 @@ def test_an_sglang_trainer_updates_rollout_serve(url, pool, expected, tiny_qwen3
         assert _http_greedy(url) == expected["base"]
 
         per_tensor = _http_update(
-            url, pool, pg, _weights(tiny_qwen3_perturbed), group, flush_cache=False,
+            url, pool, pg, checkpoint_tensors(tiny_qwen3_perturbed), group, flush_cache=False,
             abort_all_requests=False, weight_version="sglang-1",
         )  # fmt: skip
         assert per_tensor.status_code == 200 and per_tensor.json()["success"], per_tensor.text
         assert _http_greedy(url) == expected["perturbed"]
         assert httpx.get(f"{url}/get_weight_version").json()["weight_version"] == "sglang-1"
 
-        bucket = _http_update(url, pool, pg, _weights(tiny_qwen3), group, "flattened_bucket")
+        bucket = _http_update(url, pool, pg, checkpoint_tensors(tiny_qwen3), group, "flattened_bucket")
         assert bucket.status_code == 200 and bucket.json()["success"], bucket.text
         assert _http_greedy(url) == expected["base"]
 
         version = httpx.get(f"{url}/get_weight_version").json()["weight_version"]
-        good = _weights(tiny_qwen3_perturbed)
+        good = checkpoint_tensors(tiny_qwen3_perturbed)
         bad_name = [("model.layers.0.no_such.weight", good[0][1]), *good[1:]]
         name = good[0][0]
         bad_shape = [(name, torch.zeros(3, 5)), *good[1:]]
@@ -160,12 +153,6 @@ def test_an_sglang_trainer_updates_rollout_serve(url, pool, expected, tiny_qwen3
 
 
 # ---- through the Engine API -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3):
-    with RolloutEngine(tiny_qwen3, dtype="float32", device="cpu") as eng:
-        yield eng
-
-
 def _greedy(engine) -> list[list[int]]:
     return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
 
@@ -181,7 +168,7 @@ def test_an_sglang_trainer_updates_the_engine_api(engine, pool, expected, tiny_q
         for path, load_format, key in (
             (tiny_qwen3_perturbed, "flattened_bucket", "perturbed"), (tiny_qwen3, None, "base"),
         ):  # fmt: skip
-            named = _weights(path)
+            named = checkpoint_tensors(path)
             args = update_args(named, group, load_format=load_format)
             done = pool.submit(engine.update_weights_from_distributed, **args)
             trainer_broadcast(pg, named, load_format)
@@ -190,7 +177,7 @@ def test_an_sglang_trainer_updates_the_engine_api(engine, pool, expected, tiny_q
             assert _greedy(engine) == expected[key]
 
         version = engine.get_weight_version()
-        named = _weights(tiny_qwen3_perturbed)
+        named = checkpoint_tensors(tiny_qwen3_perturbed)
         bad = [(named[0][0], torch.zeros(2, 2)), *named[1:]]
         done = pool.submit(engine.update_weights_from_distributed, **update_args(bad, group))
         trainer_broadcast(pg, bad, None)

@@ -25,10 +25,8 @@ import pytest
 import torch
 import torch.multiprocessing
 from hf_reference import hf_greedy
-from safetensors.torch import load_file
 from server_helpers import start_server, stop_server
-
-from rollout import RolloutEngine
+from sglang_shapes import checkpoint_tensors
 
 NEW_TOKENS = 8
 GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
@@ -77,10 +75,6 @@ class _Runs:
         return self.fn, (self.arg,)
 
 
-def _weights(path: str) -> list[tuple[str, torch.Tensor]]:
-    return list(load_file(os.path.join(path, "model.safetensors")).items())
-
-
 @pytest.fixture(scope="module")
 def expected(tiny_qwen3, tiny_qwen3_perturbed) -> dict[str, list[list[int]]]:
     return {
@@ -120,7 +114,7 @@ def _tensor_body(payload: str, **extra) -> dict:
 
 
 def test_serialized_named_tensors_over_http(url, expected, tiny_qwen3, tiny_qwen3_perturbed):
-    named = _weights(tiny_qwen3_perturbed)
+    named = checkpoint_tensors(tiny_qwen3_perturbed)
     body = _tensor_body(serialize(named), weight_version="sg-tensor-1")
     assert _post(url, "update_weights_from_tensor", body, {"Authorization": "Bearer user"}).status_code == 403
     assert _http_greedy(url) == expected["base"]  # the user's call changed nothing
@@ -130,7 +124,7 @@ def test_serialized_named_tensors_over_http(url, expected, tiny_qwen3, tiny_qwen
     assert reply.json()["success"] and _version(url) == "sg-tensor-1"
     assert _http_greedy(url) == expected["perturbed"]
 
-    bucket = flattened_bucket(_weights(tiny_qwen3))
+    bucket = flattened_bucket(checkpoint_tensors(tiny_qwen3))
     body = _tensor_body(serialize(bucket), load_format="flattened_bucket", abort_all_requests=True)
     reply = _post(url, "update_weights_from_tensor", body)
     assert reply.status_code == 200, reply.text
@@ -165,35 +159,29 @@ def test_a_general_pickle_of_tensors_is_refused(url):
 
 
 # ---- through the Engine API -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3):
-    with RolloutEngine(tiny_qwen3, dtype="float32", device="cpu") as eng:
-        yield eng
-
-
 def _greedy(engine) -> list[list[int]]:
     return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
 
 
 def test_the_engine_takes_sglangs_tensor_forms(engine, expected, tiny_qwen3, tiny_qwen3_perturbed):
-    success, message = engine.update_weights_from_tensor(_weights(tiny_qwen3_perturbed))
+    success, message = engine.update_weights_from_tensor(checkpoint_tensors(tiny_qwen3_perturbed))
     assert success, message
     assert _greedy(engine) == expected["perturbed"]
 
-    bucket = flattened_bucket(_weights(tiny_qwen3))
+    bucket = flattened_bucket(checkpoint_tensors(tiny_qwen3))
     result = engine.update_weights_from_tensor(bucket, load_format="flattened_bucket", flush_cache=False)
     assert tuple(result)[:1] == (True,) and len(result) == 2
     assert _greedy(engine) == expected["base"]
 
-    payloads = [serialize(_weights(tiny_qwen3_perturbed))]  # pre-serialized, one per rank
+    payloads = [serialize(checkpoint_tensors(tiny_qwen3_perturbed))]  # pre-serialized, one per rank
     success, _ = engine.update_weights_from_tensor(payloads, weight_version="pre-serialized")
     assert success and engine.get_weight_version() == "pre-serialized"
     assert _greedy(engine) == expected["perturbed"]
 
 
 def test_a_bad_bucket_rolls_back(engine, expected, tiny_qwen3, tiny_qwen3_perturbed):
-    engine.update_weights_from_tensor(_weights(tiny_qwen3), weight_version="kept")
-    named = _weights(tiny_qwen3_perturbed)
+    engine.update_weights_from_tensor(checkpoint_tensors(tiny_qwen3), weight_version="kept")
+    named = checkpoint_tensors(tiny_qwen3_perturbed)
     bucket = flattened_bucket(named)
     bucket["metadata"][-1].shape = torch.Size([3, 3])  # no longer the model's shape
     with pytest.raises(ValueError):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_helpers import start_server, stop_server
 from sglang_shapes import (
     NO_KEY_HEADERS,
     assert_generate_shape,
@@ -25,8 +24,6 @@ from sglang_shapes import (
     run_in_thread,
     wait_generating,
 )
-
-from rollout.engine.engine import RolloutEngine
 
 PROMPT = [11, 305, 27, 88, 413, 9, 56]
 MAX_RESPONSE = 24
@@ -50,19 +47,6 @@ def slime_sampling_params(top_p: float = 1.0, seed: int | None = None) -> dict:
     if seed is not None:
         params["sampling_seed"] = seed
     return params
-
-
-@pytest.fixture(scope="module")
-def server(tiny_qwen3):
-    proc, url = start_server(tiny_qwen3)
-    yield url
-    stop_server(proc)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3):
-    with RolloutEngine(tiny_qwen3, dtype="float32", device="cpu") as eng:
-        yield eng
 
 
 def num_requests_from_load(load: dict) -> int:

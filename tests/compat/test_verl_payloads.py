@@ -22,10 +22,7 @@ import uuid
 
 import httpx
 import pytest
-from server_helpers import start_server, stop_server
 from sglang_shapes import NO_KEY_HEADERS, assert_generate_shape, engine_generate
-
-from rollout.engine.engine import RolloutEngine
 
 PROMPT_IDS = [31, 7, 402, 99, 12, 250]
 
@@ -63,19 +60,6 @@ def adapter_payload(prompt=None, input_ids=None, sampling_params=None, return_lo
         "custom_logit_processor": None,
     }
     return {k: v for k, v in payload.items() if v is not None}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_qwen3):
-    proc, url = start_server(tiny_qwen3)
-    yield url
-    stop_server(proc)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3):
-    with RolloutEngine(tiny_qwen3, dtype="float32", device="cpu") as eng:
-        yield eng
 
 
 def test_launch_health_and_cache_flush(server):
