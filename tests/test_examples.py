@@ -156,12 +156,13 @@ def test_remote_trainer_against_a_running_server_with_an_admin_key(tiny_qwen3, t
         # As if only `pip install -e .` had been run: no wandb, and the example goes on.
         proc = run_example(
             "remote_trainer.py", "--url", url, "--api-key", "admin", "--model-path", tiny_qwen3,
-            "--steps", "2", "--per-tensor", "--log-dir", "logs", cwd=str(tmp_path),
-            hide=("wandb",),
+            "--steps", "2", "--per-tensor", "--log-dir", "logs", "--tis-cap", "2",
+            cwd=str(tmp_path), hide=("wandb",),
         )  # fmt: skip
         summary = summary_of(proc, steps=2)
         # The trainer's weights went to the server before the first rollout and after each step.
         assert summary["weight_version"] == "step-2" and summary["max_logprob_gap"] < FLOAT32_GAP
+        assert summary["max_token_logprob_gap"] < FLOAT32_GAP and summary["mean_ratio_off"] == 0
         assert server.poll() is None  # the example leaves a server it did not start running
         assert "wandb is not installed" in proc.stdout and ".[examples]" in proc.stdout
         assert not (tmp_path / "logs" / "wandb").exists()

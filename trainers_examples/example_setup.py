@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
     t.add_argument("--lr", type=float, default=defaults["lr"], help="AdamW learning rate")
     t.add_argument("--clip", type=float, default=0.2, help="PPO clip range of the importance ratio")
     t.add_argument(
+        "--tis-cap", type=float, default=None,
+        help="truncated importance sampling: take the ratio against the trainer's logprobs of "
+        "the rollout weights and weight each token by min(exp(trainer - engine logprob), CAP) "
+        "(verl/slime's correction of the engine/trainer mismatch); default off",
+    )  # fmt: skip
+    t.add_argument(
         "--minibatches",
         type=int,
         default=defaults["minibatches"],

@@ -101,6 +101,8 @@ def ppo_clip_loss(
     ratio = torch.exp((logprobs - t.old_logprobs).clamp(-20.0, 20.0))  # [B, L-1]
     adv = t.advantages[:, None]  # [B, 1]
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    if t.tis_weights is not None:  # truncated importance sampling: engine -> trainer correction
+        surrogate = surrogate * t.tis_weights
     return -surrogate, {"clip_frac": ((ratio - 1).abs() > clip).float()}
 
 
@@ -175,7 +177,7 @@ def train_and_push(
     stats = optimize(model or policy, optimizer, batch, token_loss, args)
     sync_s = push_weights(engine, sender, policy, version)
     reward = batch.rewards.mean().item()
-    return {"reward": reward, "logprob_gap": gap, "weight_sync_s": sync_s, **stats}
+    return {"reward": reward, **gap, "weight_sync_s": sync_s, **stats}
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
             log.log(step + 1, {
                 "reward": rewards.mean().item(),
                 "rule_reward": by_rule.rewards.mean().item(),
-                "logprob_gap": gap,
+                **gap,
                 "weight_sync_s": sync_s,
                 "rollout_tokens_per_s": batch.num_tokens / rollout_s,
                 "reward_s": reward_s,

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
             version = f"step-{step + 1}"
             log.log(step + 1, {
                 "reward": batch.rewards.mean().item(),
-                "logprob_gap": gap,
+                **gap,
                 "weight_sync_s": push(client, sender, policy, version, load_format),
                 "rollout_tokens_per_s": batch.num_tokens / rollout_s,
                 **stats,

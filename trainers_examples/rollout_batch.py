@@ -3,6 +3,11 @@
 The engine's outputs (SGLang's dicts, prompt-major, n per prompt) carry the sampled tokens and
 their logprobs under the weights that generated them: the behaviour policy's logprobs, which
 the importance ratio needs, so the trainer never runs a separate "old policy" forward.
+
+With truncated importance sampling (`--tis-cap C`, as verl and slime apply it) the ratio is
+taken against the trainer's own logprobs of the rollout weights (measured by `logprob_gap`),
+and each token's loss is weighted by min(exp(trainer - engine), C): the correction for what
+inference computes differently from training.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,8 +29,10 @@ class TokenBatch:
     input_ids: torch.Tensor  # [B, L] prompt + output, right-padded
     attention_mask: torch.Tensor  # [B, L]
     mask: torch.Tensor  # [B, L-1] float, 1 on generated tokens
-    old_logprobs: torch.Tensor  # [B, L-1] the engine's logprobs, 0 off the mask
+    old_logprobs: torch.Tensor  # [B, L-1] the engine's logprobs (with TIS: the trainer's), 0 off the mask
     advantages: torch.Tensor  # [B]
+    # With TIS: min(exp(trainer - engine logprob), cap) per token, 0 off the mask; else None.
+    tis_weights: torch.Tensor | None = None
 
 
 @dataclass
@@ -43,6 +50,8 @@ class RolloutBatch:
     engine_logprobs: list[list[float]]
     rewards: torch.Tensor  # [P * n]
     n: int
+    # The trainer's logprobs of the sampled tokens under the rollout weights (logprob_gap).
+    trainer_logprobs: list[list[float]] | None = None
 
     @classmethod
     def from_outputs(
@@ -102,9 +111,23 @@ class RolloutBatch:
             advantages[index].to(device),
         )  # fmt: skip
 
+    def with_tis(self, t: TokenBatch, index: list[int], cap: float) -> TokenBatch:
+        """`t` (samples `index`) for truncated importance sampling: the trainer's logprobs
+        (from logprob_gap) as the old ones, and min(exp(trainer - engine), cap) as weights."""
+        if self.trainer_logprobs is None:
+            raise ValueError("truncated importance sampling needs logprob_gap's trainer logprobs")
+        old, weights = t.old_logprobs.clone(), torch.zeros_like(t.old_logprobs)
+        for row, i in enumerate(index):
+            on = t.mask[row] > 0  # the sampled tokens, in order
+            trainer = torch.tensor(self.trainer_logprobs[i], device=old.device)
+            weights[row, on] = torch.exp(trainer - old[row, on]).clamp(max=cap)
+            old[row, on] = trainer
+        return replace(t, old_logprobs=old, tis_weights=weights)
+
     def minibatches(
-        self, count: int, micro_batch: int, device: torch.device | str
-    ) -> Iterator[Minibatch]:
+        self, count: int, micro_batch: int, device: torch.device | str,
+        tis_cap: float | None = None,
+    ) -> Iterator[Minibatch]:  # fmt: skip
         """The samples shuffled (torch's generator) into `count` minibatches of micro-batches,
         with GRPO advantages; made one at a time, so only one minibatch is on `device`."""
         advantages = self.advantages()
@@ -113,7 +136,11 @@ class RolloutBatch:
         for first in range(0, len(self), size):
             index = order[first : first + size]
             starts = range(0, len(index), micro_batch)
-            micro = [self.tensors(index[m : m + micro_batch], advantages, device) for m in starts]
+            micro = []
+            for m in starts:
+                part = index[m : m + micro_batch]
+                t = self.tensors(part, advantages, device)
+                micro.append(t if tis_cap is None else self.with_tis(t, part, tis_cap))
             yield Minibatch(micro, max(sum(len(self.output_ids[i]) for i in index), 1))
 
 
@@ -147,7 +174,10 @@ def optimize(
     gradient is that of the mean loss over the minibatch's generated tokens. Returns "loss" and
     each statistic averaged over the batch's generated tokens."""
     totals: dict[str, float] = {}
-    for minibatch in batch.minibatches(args.minibatches, args.micro_batch, args.trainer_device):
+    tis_cap = getattr(args, "tis_cap", None)
+    for minibatch in batch.minibatches(
+        args.minibatches, args.micro_batch, args.trainer_device, tis_cap
+    ):
         optimizer.zero_grad(set_to_none=True)
         for t in minibatch.micro_batches:
             loss, stats = token_loss(token_logprobs(policy, t), t)
@@ -168,17 +198,33 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
     return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+# A token's probability ratio trainer / engine counts as off when outside this range.
+RATIO_RANGE = (0.8, 1.25)
+
+
 @torch.no_grad()
 def logprob_gap(
     model: torch.nn.Module, batch: RolloutBatch, micro_batch: int, device: torch.device | str
-) -> float:
-    """Mean |engine logprob - trainer logprob| over every sampled token, with the weights the
-    engine sampled under: how far inference drifts from training (0 up to rounding in float32)."""
-    total, count = 0.0, 0
-    zeros = torch.zeros(len(batch))
+) -> dict[str, float]:
+    """How far inference drifts from training on every sampled token, the trainer on the
+    weights the engine sampled with (0 up to rounding in float32): "logprob_gap", the mean
+    |engine logprob - trainer logprob|; "logprob_gap_max", the largest; "ratio_off", the
+    fraction of tokens whose probability ratio exp(trainer - engine) is outside RATIO_RANGE.
+    Keeps the trainer's logprobs in batch.trainer_logprobs (for truncated importance sampling)."""
+    total, largest, off, count = 0.0, 0.0, 0, 0
+    zeros, trainer = torch.zeros(len(batch)), []
+    low, high = (math.log(r) for r in RATIO_RANGE)
     for start in range(0, len(batch), micro_batch):
-        t = batch.tensors(list(range(start, min(start + micro_batch, len(batch)))), zeros, device)
-        diff = (token_logprobs(model, t) - t.old_logprobs).abs() * t.mask
-        total += diff.sum().item()
+        index = list(range(start, min(start + micro_batch, len(batch))))
+        t = batch.tensors(index, zeros, device)
+        logprobs = token_logprobs(model, t)
+        delta = (logprobs - t.old_logprobs) * t.mask
+        total += delta.abs().sum().item()
+        largest = max(largest, delta.abs().max().item())
+        off += (((delta < low) | (delta > high)) & (t.mask > 0)).sum().item()
         count += int(t.mask.sum().item())
-    return total / max(count, 1)
+        for row in range(len(index)):  # the sampled tokens' positions, in order
+            trainer.append(logprobs[row][t.mask[row] > 0].tolist())
+    batch.trainer_logprobs = trainer
+    n = max(count, 1)
+    return {"logprob_gap": total / n, "logprob_gap_max": largest, "ratio_off": off / n}

@@ -103,6 +103,10 @@ class RunLog:
             "final_reward": rewards[-1] if rewards else math.nan,
             "mean_logprob_gap": _mean(gaps),
             "max_logprob_gap": max(gaps) if gaps else math.nan,
+            # Per token: the largest gap of any step, and the mean fraction of tokens whose
+            # probability ratio trainer / engine left [0.8, 1.25].
+            "max_token_logprob_gap": max((h.get("logprob_gap_max", 0.0) for h in self.history), default=math.nan),
+            "mean_ratio_off": _mean([h.get("ratio_off", 0.0) for h in self.history]),
             "mean_weight_sync_s": _mean([h["weight_sync_s"] for h in self.history]),
             "mean_rollout_tokens_per_s": _mean([h["rollout_tokens_per_s"] for h in self.history]),
             "rewards": [round(r, 4) for r in rewards],
