@@ -46,6 +46,8 @@ class FakeReplica(Replica):
         if self.fate == "die":
             raise ReplicaDead(f"{self.name} died")
         self.served.append((method, args))
+        if method == "open_session":
+            return args[1] or f"s-{self.index}"
         return {"replica": self.index}
 
     async def alive(self) -> bool:
@@ -128,3 +130,47 @@ def test_encode_classify_and_score_go_to_the_least_loaded_replica_and_are_retrie
         assert sup.state[2] != "serving"
 
     asyncio.run(run())
+
+
+def test_a_sessions_turns_all_go_to_the_replica_that_opened_it():
+    async def run() -> None:
+        replicas, sup, dispatcher = _dispatcher("serve", "serve")
+        await sup.start_all()
+        dispatcher.router.started(0, 100)  # replica 1 is the least loaded: the session opens there
+        session = await dispatcher.open_session(4096, "chat-1")
+        assert session == "chat-1" and replicas[1].served == [("open_session", (4096, "chat-1"))]
+        dispatcher.router.finished(0, 100)
+        dispatcher.router.started(1, 1000)  # now replica 0 is the least loaded
+        turns = [
+            GenerateRequest(input_ids=[i, i + 1], session_params={"id": "chat-1", "rid": f"t{i}"})
+            for i in range(3)
+        ]
+        for turn in turns:
+            await dispatcher.generate(turn)
+        # A batch of two turns of the session is split, and both parts still go to replica 1.
+        await dispatcher.generate(GenerateRequest(
+            input_ids=[[7], [8]], session_params=[{"id": "chat-1"}, {"id": "chat-1"}]
+        ))  # fmt: skip
+        assert replicas[0].served == []
+        await dispatcher.close_session("chat-1")
+        assert replicas[1].served[-1] == ("close_session", ("chat-1",))
+        with pytest.raises(InvalidRequest, match="no open session 'chat-1'"):
+            await dispatcher.close_session("chat-1")
+
+    asyncio.run(run())
+
+
+def test_a_batch_is_split_with_each_prompts_adapter_and_session():
+    from rollout.pool.requests import split
+
+    request = GenerateRequest(
+        input_ids=[[1, 2], [3, 4]], lora_path=["math", None],
+        session_params=[None, {"id": "s"}],
+    )  # fmt: skip
+    parts, joined = split(request)
+    assert joined and [p.request.lora_path for p in parts] == ["math", None]
+    assert [p.request.session_params for p in parts] == [None, {"id": "s"}]
+    assert [p.rid for p in parts] == [None, "session/s"]
+    # Lists of another length than the prompts': not split, one replica gives the engine's error.
+    parts, joined = split(GenerateRequest(input_ids=[[1], [2]], lora_path=["math"]))
+    assert not joined and len(parts) == 1

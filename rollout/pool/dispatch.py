@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rollout.engine.tokenizer_manager import EngineDeadError
+from rollout.errors import InvalidRequest
 from rollout.generate_request import GenerateRequest
 from rollout.pool.replica import ReplicaDead
-from rollout.pool.requests import Part, join, mark_retried, split
+from rollout.pool.requests import Part, join, mark_retried, session_pin, split
 from rollout.pool.router import Route, Router
 from rollout.pool.supervisor import Supervisor
 
@@ -93,6 +94,26 @@ class Dispatcher:
                 if failed is not None:
                     raise EngineDeadError(_lost(e, False, True)) from None
                 failed = i
+
+    async def open_session(self, capacity_of_str_len: int, session_id: str | None) -> str:
+        """Opens a session on the least loaded replica; its turns all go there (their KV)."""
+        serving = await self.supervisor.wait_serving(self.wait_s)
+        i = min(serving, key=lambda j: self.router.counters[j].load_tokens)
+        replica = self.supervisor.replicas[i]
+        opened = await replica.call("open_session", capacity_of_str_len, session_id)
+        self.router.pin(session_pin(opened), i)
+        return opened
+
+    async def close_session(self, session_id: str) -> None:
+        """Closes the session on its replica (InvalidRequest there, or here for an id this
+        pool never opened)."""
+        i = self.router.pinned_replica(session_pin(session_id))
+        if i is None:
+            raise InvalidRequest(f"no open session {session_id!r} on this pool")
+        try:
+            await self.supervisor.replicas[i].call("close_session", session_id)
+        finally:
+            self.router.unpin(session_pin(session_id))
 
     async def _route(self, part: Part, avoid: int | None) -> Route:
         serving = await self.supervisor.wait_serving(self.wait_s)

@@ -151,6 +151,17 @@ class RolloutPool(ControlAPI):
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.wrap_future(self._workers.submit(fn, *args, **kwargs))
 
+    # ---- sessions: each on one replica, where its turns' KV stays --------------------------
+    def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:
+        """As RolloutEngine.open_session; the session's turns all run on the replica that
+        opened it (a turn whose replica died fails: its earlier turns are gone with it)."""
+        self._check_open()
+        return self._call(self.dispatcher.open_session(capacity_of_str_len, session_id))
+
+    def close_session(self, session_id: str) -> None:
+        self._check_open()
+        self._call(self.dispatcher.close_session(session_id))
+
     # ---- embeddings, rewards and label scores: one replica each (the least loaded) ---------
     def encode(
         self, prompt: Any = None, input_ids: Any = None, normalize: bool = False, rid: Any = None

@@ -22,7 +22,7 @@ TEXT_CHARS_PER_TOKEN = 4
 class Part:
     request: GenerateRequest
     key: list[int] | str | None  # what the router matches prefixes on
-    rid: str | None  # the part's own rid, for pinning and abort
+    rid: str | None  # what pins it to a replica: its session (session_pin), else its own rid
     tokens: int  # outstanding tokens it adds to a replica's load
 
 
@@ -40,6 +40,8 @@ def split(request: GenerateRequest) -> tuple[list[Part], bool]:
             input_ids=[prompt] if request.input_ids is not None else None,
             sampling_params=_nth(request.sampling_params, i),
             rid=[request.rid[i]] if isinstance(request.rid, list) else None,
+            lora_path=_nth(request.lora_path, i),
+            session_params=_nth(request.session_params, i),
         )
         parts.append(_part(sub, prompt))
     return parts, True
@@ -68,12 +70,10 @@ def _prompt_list(request: GenerateRequest) -> list | None:
 
 
 def _lists_fit(request: GenerateRequest, count: int) -> bool:
-    params, rid = request.sampling_params, request.rid
-    if isinstance(params, list) and len(params) != count:
+    per_prompt = (request.sampling_params, request.rid, request.lora_path, request.session_params)
+    if any(isinstance(given, list) and len(given) != count for given in per_prompt):
         return False
-    if request.stream:
-        return False  # the engine refuses a batch stream itself
-    return not isinstance(rid, list) or len(rid) == count
+    return not request.stream  # a streamed batch stays whole: one replica streams it all
 
 
 def _nth(params: Any, i: int) -> Any:
@@ -93,7 +93,22 @@ def _single_key(request: GenerateRequest) -> list[int] | str | None:
 
 def _part(request: GenerateRequest, key: Any) -> Part:
     rid = request.rid[0] if isinstance(request.rid, list) and request.rid else request.rid
-    return Part(request, key, rid if isinstance(rid, str) else None, _tokens(request, key))
+    session = session_of(request)
+    pin = session_pin(session) if session is not None else rid if isinstance(rid, str) else None
+    return Part(request, key, pin, _tokens(request, key))
+
+
+def session_of(request: GenerateRequest) -> str | None:
+    """The session a part's turn continues (its KV lives on the session's replica)."""
+    params = request.session_params
+    params = params[0] if isinstance(params, list) and len(params) == 1 else params
+    session = params.get("id") if isinstance(params, dict) else None
+    return session if isinstance(session, str) else None
+
+
+def session_pin(session_id: str) -> str:
+    """The router's pin of a session: every turn goes to the replica that opened it."""
+    return f"session/{session_id}"
 
 
 def _tokens(request: GenerateRequest, key: Any) -> int:

@@ -168,6 +168,14 @@ class Router:
     def pinned_replica(self, rid: str) -> int | None:
         return self._pins.get(rid)
 
+    def pin(self, key: str, replica: int) -> None:
+        """Sends every later request pinned by `key` (a rid, a session) to `replica`."""
+        self._pins[key] = replica
+        self._pins.move_to_end(key)
+
+    def unpin(self, key: str) -> None:
+        self._pins.pop(key, None)
+
     def started(self, replica: int, tokens: int) -> None:
         """A request of `tokens` outstanding tokens was sent to `replica`."""
         self.counters[replica].load_tokens += tokens
