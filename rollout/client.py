@@ -187,11 +187,14 @@ class RolloutClient(ControlAPI):
 
     def update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, weight_version: str | None = None,
-        lora_name: str | None = None,
+        flush_cache: bool = True, abort_all_requests: bool = False, lora_name: str | None = None,
     ) -> dict:  # fmt: skip
         """The server reads only under its --allowed-weight-roots (else PermissionError).
         With lora_name, model_path is a PEFT adapter directory replacing that adapter."""
-        call = calls.UpdateWeightsFromDisk(model_path, load_format, weight_version, lora_name=lora_name)
+        call = calls.UpdateWeightsFromDisk(
+            model_path, load_format, weight_version, flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests, lora_name=lora_name,
+        )  # fmt: skip
         return self.control(call, omit=("allowed_roots",))  # the server's own, never the client's
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:

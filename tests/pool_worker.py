@@ -14,7 +14,7 @@ from pool_helpers import install_discard_fallback
 def main() -> int:
     install_discard_fallback()
     import rollout.server.app as app_module
-    from rollout.server.launch import main as serve_main
+    from rollout.serve import main as serve_main
 
     make_app = app_module.create_app
 

@@ -30,6 +30,7 @@ from rollout.config import EngineOptions
 from rollout.control import ControlCall, control_method
 from rollout.control_api import ControlAPI
 from rollout.engine import loop_streams
+from rollout.errors import InvalidRequest
 from rollout.generate_request import GenerateRequest, takes_generate_request
 from rollout.pool import pool_setup
 from rollout.pool.dispatch import Dispatcher
@@ -201,16 +202,25 @@ class RolloutPool(ControlAPI):
     def update_weights_from_tensor(
         self, named_tensors: calls.NamedTensors, load_format: str | None = None,
         flush_cache: bool = True, weight_version: str | None = None,
+        lora_name: str | None = None,
     ) -> dict:  # fmt: skip
         """Shares the tensors once (CUDA IPC or shared memory: the replicas must be on this
         node) and has every replica load them. The pool keeps a CPU copy (see
-        weight_source.py) unless keep_tensor_snapshot=False."""
+        weight_source.py) unless keep_tensor_snapshot=False. Adapter updates (lora_name) and
+        SGLang's serialized payloads go to single engines, not yet through a pool."""
         self._check_open()
+        if lora_name is not None:
+            raise InvalidRequest("LoRA adapter updates through a pool are not supported yet")
         snapshot = (
             None if isinstance(named_tensors, TensorHandles) else (lambda: _pairs(named_tensors))
         )
         args = named_tensors, load_format, flush_cache, weight_version
         with calls.UpdateWeightsFromTensor.shared(*args) as call:
+            if call.tensor_handles is None:
+                raise InvalidRequest(
+                    "serialized_named_tensors are not supported through a pool: give tensors "
+                    "or TensorHandles"
+                )
             kwargs = {"load_format": load_format, "flush_cache": flush_cache}
             method = call.method
             return self._call(

@@ -13,6 +13,7 @@ from dataclasses import fields
 from typing import Any
 
 from rollout.control import ControlCall
+from rollout.errors import InvalidRequest
 from rollout.pool.dispatch import Dispatcher
 from rollout.pool.server_info import merge_info
 from rollout.pool.supervisor import Supervisor
@@ -31,6 +32,8 @@ class PoolCalls:
         args = {f.name: getattr(call, f.name) for f in fields(call)}
         method, weights = call.method, self.weights
         if method in UPDATES:
+            if args.pop("lora_name", None) is not None:
+                raise InvalidRequest("LoRA adapter updates through a pool are not supported yet")
             version = args.pop("weight_version")
             positional = (args.pop("model_path"),) if "model_path" in args else ()
             return await weights.update(method, positional, args, version)

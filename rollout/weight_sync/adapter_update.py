@@ -136,6 +136,8 @@ class AdapterUpdates:
         """Writes every staged update and publishes each adapter's version. An adapter whose
         staged update no longer fits is skipped (the reply names it); the others apply."""
         staged, self.staged = self.staged, {}
+        if not staged:
+            return {}
         versions, dropped = {}, []
         adapters = self.engine.adapters
         for name, entry in staged.items():
