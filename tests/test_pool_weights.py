@@ -250,3 +250,65 @@ def test_after_a_broadcast_restore_weights_gives_a_restart_the_trainers_weights(
         assert name == "w" and tensor.dtype == torch.float32 and tensor.device.type == "cpu"
 
     asyncio.run(run())
+
+
+class AdapterReplica(FakeReplica):
+    """A FakeReplica that loads and unloads LoRA adapters by name."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.adapters: dict[str, str] = {}
+
+    async def start(self) -> dict:
+        self.adapters = {}
+        return await super().start()
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, allowed_roots=None) -> dict:
+        self.adapters[lora_name] = lora_path
+        return {"success": True, "lora_adapters": dict(self.adapters)}
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        del self.adapters[lora_name]
+        return {"success": True, "lora_adapters": dict(self.adapters)}
+
+
+def _adapter_pool():
+    from rollout.pool.adapters import PoolAdapters
+
+    replicas = [AdapterReplica(i) for i in range(3)]
+    sup = Supervisor(replicas, Router(3), health_check_s=0)
+    weights = PoolWeights(sup, WeightSource("default", torch.float32))
+    adapters = PoolAdapters(sup, weights)
+
+    async def restore(i: int) -> None:
+        await weights.restore(i)
+        await adapters.restore(i)
+
+    sup.restore = restore
+    return replicas, sup, adapters
+
+
+def test_an_adapter_loads_on_every_replica_or_on_none_and_comes_back_after_a_restart():
+    async def run() -> None:
+        replicas, sup, adapters = _adapter_pool()
+        await sup.start_all()
+        assert (await adapters.load("math", "/a/math"))["replicas"] == 3
+        assert [r.adapters for r in replicas] == [{"math": "/a/math"}] * 3
+        replicas[2].refuse.add("load_lora_adapter")
+        with pytest.raises(InvalidRequest, match="replica 2: load_lora_adapter refused.*undone"):
+            await adapters.load("code", "/a/code")
+        assert [r.adapters for r in replicas] == [{"math": "/a/math"}] * 3  # code unloaded again
+        replicas[2].refuse.clear()
+        replicas[1].refuse.add("unload_lora_adapter")  # a request there still uses it
+        with pytest.raises(InvalidRequest, match="unload_lora_adapter refused"):
+            await adapters.unload("math")
+        assert [r.adapters for r in replicas] == [{"math": "/a/math"}] * 3  # loaded back
+        sup.mark_dead(0, "killed")
+        await sup.wait_serving(5)
+        for _ in range(100):
+            if sup.serving() == [0, 1, 2]:
+                break
+            await asyncio.sleep(0.05)
+        assert replicas[0].starts == 2 and replicas[0].adapters == {"math": "/a/math"}
+
+    asyncio.run(run())

@@ -33,6 +33,7 @@ from rollout.engine import loop_streams
 from rollout.errors import InvalidRequest
 from rollout.generate_request import GenerateRequest, takes_generate_request
 from rollout.pool import pool_setup
+from rollout.pool.adapters import PoolAdapters
 from rollout.pool.dispatch import Dispatcher
 from rollout.pool.pool_calls import PoolCalls
 from rollout.pool.replica import Replica
@@ -117,9 +118,10 @@ class RolloutPool(ControlAPI):
             self.is_classifier = pool_setup.is_classifier(model_path)
             self.source = opts.make_source(infos[0])
             self.weights = PoolWeights(self.supervisor, self.source)
-            self.supervisor.restore = self.weights.restore
+            self.adapters = PoolAdapters(self.supervisor, self.weights)
+            self.supervisor.restore = self._restore
             self.dispatcher = Dispatcher(self.supervisor, self.router, opts.wait_for_replica_s)
-            self.calls = PoolCalls(self.supervisor, self.dispatcher, self.weights)
+            self.calls = PoolCalls(self.supervisor, self.dispatcher, self.weights, self.adapters)
         except BaseException:
             self.shutdown()
             raise
@@ -151,6 +153,11 @@ class RolloutPool(ControlAPI):
 
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.wrap_future(self._workers.submit(fn, *args, **kwargs))
+
+    async def _restore(self, i: int) -> None:
+        """A restarted replica i gets the pool's weights and version, then its adapters."""
+        await self.weights.restore(i)
+        await self.adapters.restore(i)
 
     # ---- sessions: each on one replica, where its turns' KV stays --------------------------
     def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from rollout.control import ControlCall
 from rollout.errors import InvalidRequest
+from rollout.pool.adapters import PoolAdapters
 from rollout.pool.dispatch import Dispatcher
 from rollout.pool.server_info import merge_info
 from rollout.pool.supervisor import Supervisor
@@ -24,9 +25,11 @@ UPDATES = ("update_weights_from_disk", "update_weights_from_distributed")
 
 class PoolCalls:
     def __init__(
-        self, supervisor: Supervisor, dispatcher: Dispatcher, weights: PoolWeights
-    ) -> None:
+        self, supervisor: Supervisor, dispatcher: Dispatcher, weights: PoolWeights,
+        adapters: PoolAdapters,
+    ) -> None:  # fmt: skip
         self.sup, self.dispatcher, self.weights = supervisor, dispatcher, weights
+        self.adapters = adapters
 
     async def run(self, call: ControlCall) -> Any:
         args = {f.name: getattr(call, f.name) for f in fields(call)}
@@ -48,6 +51,8 @@ class PoolCalls:
             "get_server_info": self.server_info,
             "flush_cache": self.flush,
             "abort_request": lambda: self.dispatcher.abort(args["rid"], args["abort_all"]),
+            "load_lora_adapter": lambda: self.adapters.load(**args),
+            "unload_lora_adapter": lambda: self.adapters.unload(**args),
         }
         if method in handlers:
             return await handlers[method]()

@@ -134,7 +134,7 @@ class PoolWeights:
             self.staged_version = None
         version = self.source.version
         dropped = f"{what} dropped on every replica: the pool serves {version!r} as before"
-        raise _refusal(failed, self.sup, dropped)
+        raise refusal(failed, self.sup, dropped)
 
     async def _commit(self, targets: list[int], label: str) -> None:
         results = await self._continue(targets)
@@ -179,7 +179,7 @@ class PoolWeights:
             failed = {i: e for i, e in zip(targets, results) if isinstance(e, BaseException)}
             if failed:
                 await self._leave(group_name, [i for i in targets if i not in failed])
-                raise _refusal(failed, self.sup, f"the others left group {group_name!r}")
+                raise refusal(failed, self.sup, f"the others left group {group_name!r}")
             self.groups[group_name] = Group(tuple(self.sup.incarnation))
             return {**results[0], "rank_offsets": offsets}
 
@@ -239,7 +239,7 @@ class PoolWeights:
             if isinstance(e, ReplicaDead):
                 self.sup.mark_dead(i, str(e))
         undone = f"undone on the others ({undo[0]})" if undo is not None else "not undone"
-        raise _refusal(failed, self.sup, f"{method} was {undone}")
+        raise refusal(failed, self.sup, f"{method} was {undone}")
 
     async def pause(self, mode: str) -> dict:
         async with self.lock:
@@ -282,7 +282,7 @@ UNDO: dict[str, tuple[str, ...]] = {
 }
 
 
-def _refusal(failed: dict[int, BaseException], sup: Supervisor, consequence: str) -> Exception:
+def refusal(failed: dict[int, BaseException], sup: Supervisor, consequence: str) -> Exception:
     """The first failure, raised again as its own kind, naming the replica and what the pool
     did about the others."""
     i, error = next(iter(failed.items()))
