@@ -10,11 +10,8 @@ directory so that a restarted replica gets them again after its weights.
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 from rollout.pool.supervisor import Supervisor
-from rollout.pool.weights import PoolWeights, refusal
+from rollout.pool.weights import PoolWeights
 
 
 class PoolAdapters:
@@ -26,20 +23,20 @@ class PoolAdapters:
         self, lora_name: str, lora_path: str, allowed_roots: tuple[str, ...] | None = None
     ) -> dict:
         async with self.weights.lock:
-            load = ("load_lora_adapter", (lora_name, lora_path), {"allowed_roots": allowed_roots})
-            undo = ("unload_lora_adapter", (lora_name,), {})
-            results = await self._all_or_none(load, undo)
+            results = await self.weights.fan_out(
+                "load_lora_adapter", lora_name, lora_path, allowed_roots=allowed_roots,
+                undo=("unload_lora_adapter", (lora_name,), {}),
+            )  # fmt: skip
             self.loaded[lora_name] = (lora_path, allowed_roots)
             return {**results[0], "replicas": len(results)}
 
     async def unload(self, lora_name: str) -> dict:
         async with self.weights.lock:
             path, roots = self.loaded.get(lora_name, (None, None))
-            unload = ("unload_lora_adapter", (lora_name,), {})
             undo = None
             if path is not None:
                 undo = ("load_lora_adapter", (lora_name, path), {"allowed_roots": roots})
-            results = await self._all_or_none(unload, undo)
+            results = await self.weights.fan_out("unload_lora_adapter", lora_name, undo=undo)
             self.loaded.pop(lora_name, None)
             return {**results[0], "replicas": len(results)}
 
@@ -50,25 +47,3 @@ class PoolAdapters:
                 await self.sup.replicas[i].call(
                     "load_lora_adapter", name, path, allowed_roots=roots
                 )
-
-    async def _all_or_none(
-        self, call: tuple[str, tuple, dict], undo: tuple[str, tuple, dict] | None
-    ) -> list[Any]:
-        targets = self.sup.up()
-        method, args, kwargs = call
-        results = await asyncio.gather(
-            *(self.sup.replicas[i].call(method, *args, **kwargs) for i in targets),
-            return_exceptions=True,
-        )
-        failed = {i: e for i, e in zip(targets, results) if isinstance(e, BaseException)}
-        if not failed:
-            return list(results)
-        done = [i for i in targets if i not in failed]
-        if undo is not None and done:
-            back, back_args, back_kwargs = undo
-            await asyncio.gather(
-                *(self.sup.replicas[i].call(back, *back_args, **back_kwargs) for i in done),
-                return_exceptions=True,
-            )
-        consequence = f"{method} was undone on the others" if undo else f"{method} was not undone"
-        raise refusal(failed, self.sup, consequence)

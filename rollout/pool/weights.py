@@ -134,7 +134,7 @@ class PoolWeights:
             self.staged_version = None
         version = self.source.version
         dropped = f"{what} dropped on every replica: the pool serves {version!r} as before"
-        raise refusal(failed, self.sup, dropped)
+        raise _refusal(failed, self.sup, dropped)
 
     async def _commit(self, targets: list[int], label: str) -> None:
         results = await self._continue(targets)
@@ -179,7 +179,7 @@ class PoolWeights:
             failed = {i: e for i, e in zip(targets, results) if isinstance(e, BaseException)}
             if failed:
                 await self._leave(group_name, [i for i in targets if i not in failed])
-                raise refusal(failed, self.sup, f"the others left group {group_name!r}")
+                raise _refusal(failed, self.sup, f"the others left group {group_name!r}")
             self.groups[group_name] = Group(tuple(self.sup.incarnation))
             return {**results[0], "rank_offsets": offsets}
 
@@ -217,10 +217,12 @@ class PoolWeights:
 
     # ---- pause, memory, versions, cache ---------------------------------------------------------
     async def fan_out(
-        self, method: str, *args: Any, among: list[int] | None = None, **kwargs: Any
-    ) -> list:
+        self, method: str, *args: Any, among: list[int] | None = None,
+        undo: Call | None = None, **kwargs: Any,
+    ) -> list:  # fmt: skip
         """`method` on every replica that is up (or `among`); on any failure, the undo of
-        `method` where one exists on those that did it, then the first failure is raised."""
+        `method` (`undo`, else UNDO's) on those that did it, then
+        the first failure is raised."""
         targets = self.sup.up() if among is None else among
         results = await asyncio.gather(
             *(self.sup.replicas[i].call(method, *args, **kwargs) for i in targets),
@@ -229,17 +231,19 @@ class PoolWeights:
         failed = {i: e for i, e in zip(targets, results) if isinstance(e, BaseException)}
         if not failed:
             return list(results)
-        undo = UNDO.get(method)
+        undo = undo or UNDO.get(method)
         done = [i for i in targets if i not in failed]
         if undo is not None and done:
+            back, back_args, back_kwargs = undo
             await asyncio.gather(
-                *(self.sup.replicas[i].call(*undo) for i in done), return_exceptions=True
+                *(self.sup.replicas[i].call(back, *back_args, **back_kwargs) for i in done),
+                return_exceptions=True,
             )
         for i, e in failed.items():
             if isinstance(e, ReplicaDead):
                 self.sup.mark_dead(i, str(e))
         undone = f"undone on the others ({undo[0]})" if undo is not None else "not undone"
-        raise refusal(failed, self.sup, f"{method} was {undone}")
+        raise _refusal(failed, self.sup, f"{method} was {undone}")
 
     async def pause(self, mode: str) -> dict:
         async with self.lock:
@@ -275,14 +279,16 @@ class PoolWeights:
                 await self.sup.replicas[i].call("pause_generation", mode=self.paused)
 
 
+# A replica call: the method, its positional and its keyword arguments.
+Call = tuple[str, tuple, dict]
 # The call that takes each call back, where a partial fan-out must not stay.
-UNDO: dict[str, tuple[str, ...]] = {
-    "pause_generation": ("continue_generation",),
-    "release_memory_occupation": ("resume_memory_occupation",),
+UNDO: dict[str, Call] = {
+    "pause_generation": ("continue_generation", (), {}),
+    "release_memory_occupation": ("resume_memory_occupation", (), {}),
 }
 
 
-def refusal(failed: dict[int, BaseException], sup: Supervisor, consequence: str) -> Exception:
+def _refusal(failed: dict[int, BaseException], sup: Supervisor, consequence: str) -> Exception:
     """The first failure, raised again as its own kind, naming the replica and what the pool
     did about the others."""
     i, error = next(iter(failed.items()))
