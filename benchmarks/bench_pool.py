@@ -1,0 +1,158 @@
+"""The HTTP router's cost: prints one JSON line per measurement.
+
+    python benchmarks/bench_pool.py --model qwen3-0.6b --max-total-tokens 300000
+    python benchmarks/bench_pool.py --model /tmp/rollout-tiny --num-seqs 8 --max-len 120 \\
+        --max-total-tokens 4096 -- --dtype float32
+
+Two runs of the nano workload (bench_offline.py's), each request its own HTTP /generate from
+--concurrency client threads:
+- direct: one `rollout serve` worker, the requests sent to it;
+- pool: --workers `rollout serve` workers (sharing the device: give each --max-total-tokens, since
+  mem_fraction counts the whole GPU) behind `rollout router`, the requests sent to the router.
+Output tok/s of both and their ratio. The router's overhead per request: the median latency of
+--probes one-token requests (sequential, a short prompt) through the router minus sent to a
+worker directly. Arguments after `--` go to every `rollout serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_offline import nano_workload  # noqa: E402
+from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
+
+BASE_PORT = 31000
+
+
+def start(args: list[str], port: int, log_dir: str) -> subprocess.Popen:
+    log = open(os.path.join(log_dir, f"{port}.log"), "w")
+    cmd = [sys.executable, "-m", "rollout.cli", *args, "--port", str(port)]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server on port {port} exited with {proc.returncode}")
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the server on port {port} did not answer /health in {timeout} s")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def generate(port: int, ids: list[int], params: dict) -> int:
+    body = {"input_ids": ids, "sampling_params": params}
+    reply = requests.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=3600)
+    reply.raise_for_status()
+    return len(reply.json()["output_ids"])
+
+
+def throughput(port: int, workload, concurrency: int) -> tuple[float, int]:
+    prompts, params = workload
+    start_t = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(lambda job: generate(port, *job), zip(prompts, params)))
+    return time.perf_counter() - start_t, tokens
+
+
+def probe_ms(port: int, count: int) -> float:
+    params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
+    times = []
+    for i in range(count):
+        start_t = time.perf_counter()
+        generate(port, [1 + i % 50, 2, 3, 4], params)
+        times.append(time.perf_counter() - start_t)
+    return statistics.median(times) * 1e3
+
+
+def run_direct(serve: list[str], workload, args, log_dir: str) -> dict:
+    proc = start(serve + ["--max-total-tokens", str(args.max_total_tokens * args.workers)], BASE_PORT, log_dir)
+    try:
+        wait_healthy(BASE_PORT, proc)
+        throughput(BASE_PORT, (workload[0][:8], workload[1][:8]), args.concurrency)  # warm up
+        seconds, tokens = throughput(BASE_PORT, workload, args.concurrency)
+        return {"seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1)}
+    finally:
+        stop([proc])
+
+
+def run_pool(serve: list[str], model_path: str, workload, args, log_dir: str) -> dict:
+    ports = [BASE_PORT + 1 + i for i in range(args.workers)]
+    workers = [start(serve + ["--max-total-tokens", str(args.max_total_tokens)], p, log_dir) for p in ports]
+    procs = list(workers)
+    try:
+        for port, proc in zip(ports, workers):
+            wait_healthy(port, proc)
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        router = start(["router", "--worker-urls", *urls, "--model-path", model_path], BASE_PORT, log_dir)
+        procs.append(router)
+        wait_healthy(BASE_PORT, router)
+        throughput(BASE_PORT, (workload[0][:8], workload[1][:8]), args.concurrency)
+        seconds, tokens = throughput(BASE_PORT, workload, args.concurrency)
+        direct_ms, routed_ms = probe_ms(ports[0], args.probes), probe_ms(BASE_PORT, args.probes)
+        return {
+            "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1),
+            "probe_direct_ms": round(direct_ms, 3), "probe_router_ms": round(routed_ms, 3),
+            "router_overhead_ms": round(routed_ms - direct_ms, 3),
+        }
+    finally:
+        stop(procs)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b", help=f"a checkpoint directory or one of {sorted(REAL_CONFIGS)}")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--max-total-tokens", type=int, required=True, help="KV tokens of each pool worker")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--probes", type=int, default=200)
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    model_path, serve = args.model, ["serve"]
+    if model_path in REAL_CONFIGS:
+        model_path = write_config_checkpoint(model_path, tempfile.mkdtemp(prefix=f"rollout-{args.model}-"))
+        serve += ["--load-format", "dummy"]
+    serve += ["--model-path", model_path, *extra]
+    with open(os.path.join(model_path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    workload = nano_workload(args.num_seqs, args.max_len, vocab)
+    log_dir = tempfile.mkdtemp(prefix="rollout-bench-pool-")
+    direct = run_direct(serve, workload, args, log_dir)
+    pool = run_pool(serve, model_path, workload, args, log_dir)
+    print(json.dumps({
+        "bench": "pool", "workers": args.workers, "direct": direct, "pool": pool,
+        "ratio": round(pool["tok_per_s"] / direct["tok_per_s"], 3), "logs": log_dir,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
