@@ -5,23 +5,28 @@ routes hand a large body's parts to it once the answer is sent."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import math
 import random
 import sys
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, ConfigDict
 
 import rollout.server.json_body as json_body
 import rollout.server.json_parse as json_parse
 import rollout.server.json_release as json_release
+from rollout.errors import InvalidRequest
 from rollout.server.app import create_app
 from rollout.server.json_body import LARGE_BODY_BYTES, collections_paused
+from rollout.server.json_collection_pause import CollectionPause
 from rollout.server.json_parse import TooManyContainers, decode_body, parse
 from rollout.server.json_release import release
 from rollout.server.options import ServerOptions
@@ -253,6 +258,25 @@ def test_collections_pause_nests_and_restores():
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
+def test_a_collection_pause_ends_after_its_bound_even_with_a_body_alive():
+    pause = CollectionPause(max_pause_s=0.01)
+    pause.hold()
+    try:
+        deadline = time.monotonic() + 30
+        while not gc.isenabled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gc.isenabled() and pause.holders == 1
+        pause.hold()  # a body that comes while one is alive starts no new pause
+        assert gc.isenabled()
+        pause.let_go()
+    finally:
+        pause.let_go()
+    assert gc.isenabled()
+    with pause():  # the next one pauses again
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
 # ---- the routes ----------------------------------------------------------------------------
 class _KeepingEngine:
     """Keeps the input ids of the request it answers, as an engine may."""
@@ -333,3 +357,100 @@ def test_prompt_lists_are_checked_by_the_engine_not_item_by_item_by_pydantic(pat
     assert resp.status_code == 400, resp.text[:300]
     message = resp.json()["error"]["message"]
     assert any(why in message for why in ("must be a str", "prompt must be", "at most 16384 samples"))
+
+
+class _GcWatchingEngine(_KeepingEngine):
+    """Notes whether automatic collections were on while it held the request."""
+
+    async def async_generate(self, request: Any) -> dict:
+        self.collecting = gc.isenabled()
+        return await super().async_generate(request)
+
+
+def test_no_collection_runs_while_a_large_body_lives():
+    # A collection would walk each of the body's items, holding the event loop.
+    engine = _GcWatchingEngine()
+    ids = list(range(LARGE_BODY_BYTES // 4))
+    with TestClient(create_app(engine, ServerOptions()), raise_server_exceptions=False) as client:
+        resp = client.post("/generate", content=json.dumps({"input_ids": ids}))
+        assert resp.status_code == 200, resp.text[:300]
+        assert engine.collecting is False
+        assert gc.isenabled() and collections_paused.holders == 0
+
+
+class _RefusingEngine(_KeepingEngine):
+    """Refuses a request from a worker thread whose frames hold it, as the engine's checks do."""
+
+    async def async_generate(self, request: Any) -> dict:
+        def check(request: Any) -> None:
+            raise InvalidRequest(f"input_ids has {len(request.input_ids)} tokens: too many")
+
+        await asyncio.to_thread(check, request)
+        raise AssertionError("unreachable")
+
+
+def test_a_refused_large_body_is_held_by_its_model_alone_when_released(monkeypatch):
+    # Anything else that held it then (an error's frames, a future's result) would free it in
+    # one piece later, wherever that holder goes: often on the event loop, or in a collection.
+    held: list[tuple[int, int]] = []
+
+    def recording_release(values: list) -> None:
+        for v in values:
+            if isinstance(v, BaseModel):
+                held.append((sys.getrefcount(v), sys.getrefcount(v.__dict__["input_ids"])))
+        release(values)
+
+    monkeypatch.setattr(json_body, "release", recording_release)
+    ids = [str(i) for i in range(LARGE_BODY_BYTES // 8)]
+    app = create_app(_RefusingEngine(), ServerOptions())
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for _ in range(3):
+            resp = client.post("/generate", content=json.dumps({"input_ids": ids}))
+            assert resp.status_code == 400, resp.text[:300]
+            assert "too many" in resp.json()["error"]["message"]
+    recording_release([_model_of(ids)])  # held by the released list alone
+    alone = held.pop()
+    assert held == [alone] * 3
+
+
+def _model_of(ids: list) -> BaseModel:
+    model = _Holder(items=[])
+    model.__dict__["input_ids"] = list(ids)
+    return model
+
+
+class _LargeModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[int]
+
+
+def test_a_request_that_outlives_its_answer_does_not_keep_its_large_body(monkeypatch):
+    # A task that watches for a disconnect may still hold the request when the body is
+    # released; the body would then be freed in one piece when that task ends.
+    released: list[int] = []
+
+    def recording_release(values: list) -> None:
+        released.extend(sys.getrefcount(v) for v in values)
+        release(values)
+
+    monkeypatch.setattr(json_body, "release", recording_release)
+    kept: list[Request] = []
+    router = APIRouter(route_class=json_body.OffLoopRoute)
+
+    @router.post("/items")
+    async def items(body: _LargeModel, request: Request) -> dict:
+        kept.append(request)
+        return {"n": len(body.items)}
+
+    app = FastAPI()
+    app.include_router(router)
+    n = LARGE_BODY_BYTES // 4
+    with TestClient(app) as client:
+        body = json.dumps({"items": list(range(n))})
+        resp = client.post("/items", content=body, headers={"content-type": "application/json"})
+    assert resp.json() == {"n": n}
+    recording_release([_LargeModel(items=[])])  # a model held by the released list alone
+    alone = released.pop()
+    assert released[-1:] == [alone]  # the validated model, released after the answer
+    assert kept and "_json" not in kept[0].__dict__

@@ -10,7 +10,8 @@ NOTE: a thread alone does not free the loop. json.loads and pydantic are C code 
 GIL for the whole call, and the loop needs the GIL to answer anything. Joining releases it
 (CPython drops the GIL for joins over 1 MB); json_parse gives the C scanner bounded pieces; and
 json_release frees the parsed body a piece at a time, when validation fails and when the
-request is done, on a worker thread (freeing ten million items is one C call too). What still
+request is done, on a worker thread (freeing ten million items is one C call too); and no
+garbage collection walks a large body while it lives (json_collection_pause). What still
 holds it in one piece: pydantic's validation of one long list (RESULTS.md has the costs), and
 what the route's own code does with the body.
 """
@@ -18,12 +19,9 @@ what the route's own code does with the body.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
-import threading
 import typing
-from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
@@ -32,11 +30,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
+from rollout.server.json_collection_pause import collections_paused
 from rollout.server.json_parse import TooManyContainers, decode_body, parse
 from rollout.server.json_release import release
 
 LARGE_BODY_BYTES = 2**20  # smaller bodies take FastAPI's path: a thread hop costs more
 _PARSED = "rollout.parsed_body"  # scope key: the validated models of large bodies, to release
+_HELD = "rollout.collections_held"  # scope key: the collection pauses its large bodies hold
 
 
 def describe_validation_errors(errors: list[dict[str, Any]]) -> str:
@@ -62,7 +62,14 @@ class OffLoopRoute(APIRoute):
             return handler
 
         async def read_off_loop(request: Request) -> Response:
-            return await handler(OffLoopBodyRequest(request.scope, request.receive, model))
+            off_loop = OffLoopBodyRequest(request.scope, request.receive, model)
+            try:
+                return await handler(off_loop)
+            finally:
+                # The request may outlive its answer (a task that watches for a disconnect
+                # is cancelled, but not yet ended, when handle releases the body): it must not
+                # hold the body then, or the body is freed in one piece when that task ends.
+                off_loop.forget_body()
 
         return read_off_loop
 
@@ -73,8 +80,12 @@ class OffLoopRoute(APIRoute):
             # The answer is sent and the route's frames are gone: what is left of a large body
             # is held here alone, unless the engine still holds a part of it.
             parsed = scope.pop(_PARSED, None)
-            if parsed:
-                await asyncio.to_thread(release, parsed)
+            try:
+                if parsed:
+                    await asyncio.to_thread(release, parsed)
+            finally:
+                for _ in range(scope.pop(_HELD, 0)):
+                    collections_paused.let_go()
 
 
 def _body_model(route: APIRoute) -> type[BaseModel] | None:
@@ -101,6 +112,11 @@ class OffLoopBodyRequest(Request):
         super().__init__(scope, receive)
         self._model = model
 
+    def forget_body(self) -> None:
+        """Drops the body and its parsed value, once the route is done with them."""
+        self.__dict__.pop("_json", None)
+        self.__dict__.pop("_body", None)
+
     async def body(self) -> bytes:
         if not hasattr(self, "_body"):  # Starlette's cache of the body, read by stream()
             chunks = [chunk async for chunk in self.stream()]
@@ -112,11 +128,23 @@ class OffLoopBodyRequest(Request):
         if not hasattr(self, "_json"):
             body = await self.body()
             if len(body) > LARGE_BODY_BYTES:
-                self._json = await asyncio.to_thread(parse_and_validate, body, self._model)
-                self.scope.setdefault(_PARSED, []).append(self._json)
+                # No collection walks the parsed body while it lives (json_collection_pause);
+                # OffLoopRoute.handle lets go once it is released.
+                collections_paused.hold()
+                self.scope[_HELD] = self.scope.get(_HELD, 0) + 1
+                # The model comes back in `parsed`, not as the thread's result: the futures
+                # that carry a result may outlive the request (the event loop drops its last
+                # callback a turn later), and would free the body in one piece where they go.
+                parsed = self.scope.setdefault(_PARSED, [])
+                await asyncio.to_thread(_parse_into, parsed, body, self._model)
+                self._json = parsed[-1]
             else:
                 self._json = json.loads(body)
         return self._json
+
+
+def _parse_into(parsed: list[BaseModel], body: bytes, model: type[BaseModel]) -> None:
+    parsed.append(parse_and_validate(body, model))
 
 
 def parse_and_validate(body: bytes, model: type[BaseModel]) -> BaseModel:
@@ -144,39 +172,3 @@ def parse_and_validate(body: bytes, model: type[BaseModel]) -> BaseModel:
 
 def _without_input(error: Any) -> dict[str, Any]:
     return {k: v for k, v in error.items() if k != "input"}
-
-
-class _CollectionPause:
-    """No automatic garbage collection while large bodies are parsed and validated.
-
-    Each container a parse makes counts toward the next collection, and a full one walks every
-    live container of the process, holding the GIL throughout; a body of many arrays would set
-    off several. When the last parse ends, what it made joins the oldest generation without a
-    walk (gc.freeze then gc.unfreeze), unless something was frozen on purpose."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.holders = 0
-        self.resume = False
-
-    @contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self.lock:
-            if self.holders == 0:
-                self.resume = gc.isenabled()
-                gc.disable()
-            self.holders += 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.holders -= 1
-                if self.holders == 0:
-                    if gc.get_freeze_count() == 0:
-                        gc.freeze()
-                        gc.unfreeze()
-                    if self.resume:
-                        gc.enable()
-
-
-collections_paused = _CollectionPause()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import traceback
 import typing
 from collections.abc import AsyncIterator
 from typing import Any
@@ -90,16 +91,25 @@ async def generate(body: GenerateBody, request: Request) -> Any:
 
     if not body.stream:
         log_metrics = call.log_metrics
+        refusal = None
         try:
             with owners.claim(call.rid, role):
                 result = await until_disconnect(request, engine.async_generate(call))
         except RequestError as e:
             # A refused body is freed a piece at a time after the answer (json_body), unless
             # something else still holds it then: this frame, or the error's traceback, whose
-            # frames (the engine's checks) hold the request. Neither outlives this block.
+            # frames (the engine's checks, until_disconnect's) hold the request and, through
+            # until_disconnect's task, the error itself. That cycle would be freed by a garbage
+            # collection, the body with it in one piece: its frames are cleared here, and the
+            # refusal is raised outside this block, so that it holds neither them nor the error.
+            traceback.clear_frames(e.__traceback__)
             refusal = type(e)(*e.args)
-            del call, e
-            raise refusal from None
+        if refusal is not None:
+            del call, body
+            try:
+                raise refusal
+            finally:
+                refusal = None  # else its traceback holds this frame, which holds it: a cycle
         outs = result if isinstance(result, list) else [result]
         if log_metrics:
             metrics.observe("generate", outs, time.monotonic() - start)
