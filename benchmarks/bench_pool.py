@@ -11,7 +11,7 @@ Two runs of the nano workload (bench_offline.py's), each request its own HTTP /g
   mem_fraction counts the whole GPU) behind `rollout router`, the requests sent to the router.
 Output tok/s of both and their ratio. The router's overhead per request: the median latency of
 --probes one-token requests (sequential, a short prompt) through the router minus sent to a
-worker directly. Arguments after `--` go to every `rollout serve`.
+worker directly, the two sent in turn. Arguments after `--` go to every `rollout serve`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from benchmarks.bench_offline import nano_workload  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
 
 BASE_PORT = 31000
+PROBE_WARMUP = 10  # rounds of probes not counted
 
 
 def start(args: list[str], port: int, log_dir: str) -> subprocess.Popen:
@@ -81,14 +82,18 @@ def throughput(port: int, workload, concurrency: int) -> tuple[float, int]:
     return time.perf_counter() - start_t, tokens
 
 
-def probe_ms(port: int, count: int) -> float:
+def probe_ms(ports: list[int], count: int) -> list[float]:
+    """The median ms of `count` one-token requests to each port, sent in turn (one to each,
+    then the next round), so that the machine's load changing weighs on every port alike."""
     params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
-    times = []
-    for i in range(count):
-        start_t = time.perf_counter()
-        generate(port, [1 + i % 50, 2, 3, 4], params)
-        times.append(time.perf_counter() - start_t)
-    return statistics.median(times) * 1e3
+    times: list[list[float]] = [[] for _ in ports]
+    for i in range(-PROBE_WARMUP, count):
+        for port, kept in zip(ports, times):
+            start_t = time.perf_counter()
+            generate(port, [1 + i % 50, 2, 3, 4], params)
+            if i >= 0:
+                kept.append(time.perf_counter() - start_t)
+    return [statistics.median(kept) * 1e3 for kept in times]
 
 
 def run_direct(serve: list[str], workload, args, log_dir: str) -> dict:
@@ -115,11 +120,12 @@ def run_pool(serve: list[str], model_path: str, workload, args, log_dir: str) ->
         wait_healthy(BASE_PORT, router)
         throughput(BASE_PORT, (workload[0][:8], workload[1][:8]), args.concurrency)
         seconds, tokens = throughput(BASE_PORT, workload, args.concurrency)
-        direct_ms, routed_ms = probe_ms(ports[0], args.probes), probe_ms(BASE_PORT, args.probes)
+        direct_ms, routed_ms = probe_ms([ports[0], BASE_PORT], args.probes)
         return {
             "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1),
             "probe_direct_ms": round(direct_ms, 3), "probe_router_ms": round(routed_ms, 3),
             "router_overhead_ms": round(routed_ms - direct_ms, 3),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
         }
     finally:
         stop(procs)

@@ -1,7 +1,9 @@
 """A replica that is a `rollout serve` worker, reached over HTTP (the `rollout router`'s).
 
-Generation goes through one kept async connection pool (a request is one POST /generate, a
-stream its server-sent events); control calls through RolloutClient's methods on a thread.
+Generation goes through one kept aiohttp connection pool (a request is one POST /generate, a
+stream its server-sent events): aiohttp's client costs a fraction of httpx's per request, which
+is most of what the router adds to a request's latency. Control calls, rare and slow, go
+through RolloutClient's methods on a thread.
 The router cannot start a worker itself: when one dies, its supervisor (systemd, Kubernetes,
 a shell loop) starts it again, and the pool takes it back, with the current weights, once its
 /health answers.
@@ -15,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import httpx
 
 from rollout.client import RolloutClient
@@ -24,6 +27,13 @@ from rollout.generate_request import GenerateRequest
 from rollout.pool.replica import Replica, ReplicaDead
 
 DEAD_STATUSES = (503, 504)  # the worker (or a gateway before it) says it is not serving
+# Idle connections are closed before the worker's server closes them (uvicorn: after 5 s), so
+# that a request never goes out on a connection the worker is closing.
+KEEPALIVE_S = 4.0
+HEALTH_TIMEOUT_S = 10.0
+# The worker gone, or its answer cut off (aiohttp.ClientError), or a socket error.
+_UNREACHABLE = (aiohttp.ClientError, OSError)
+JSON_TYPE = {"Content-Type": "application/json"}
 _KINDS = {status: kind for kind, (status, _) in HTTP.items()}
 
 
@@ -38,7 +48,8 @@ class HttpReplica(Replica):
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = RolloutClient(self.url, api_key=api_key)
         self.start_timeout_s = start_timeout_s
-        self._http: httpx.AsyncClient | None = None
+        self.generate_url = f"{self.url}/generate"
+        self._http: aiohttp.ClientSession | None = None
 
     async def start(self) -> dict:
         deadline = time.monotonic() + self.start_timeout_s
@@ -50,42 +61,47 @@ class HttpReplica(Replica):
         self.ranks = int(info.get("tp_size", 1))
         return info
 
-    def _async(self) -> httpx.AsyncClient:
+    def _session(self) -> aiohttp.ClientSession:
         # Made on first use: it then belongs to the pool's event loop, the only one using it.
         if self._http is None:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            self._http = httpx.AsyncClient(
-                base_url=self.url, headers=self.headers, timeout=None, limits=limits
-            )
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+            self._http = aiohttp.ClientSession(
+                headers=self.headers, connector=connector,
+                timeout=aiohttp.ClientTimeout(total=None),
+            )  # fmt: skip
         return self._http
+
+    def _post_generate(self, request: GenerateRequest) -> Any:
+        body = json.dumps(request.to_json(), separators=(",", ":")).encode()
+        return self._session().post(self.generate_url, data=body, headers=JSON_TYPE)
 
     async def generate(self, request: GenerateRequest) -> Any:
         try:
-            resp = await self._async().post("/generate", json=request.to_json())
-        except httpx.TransportError as e:
+            async with self._post_generate(request) as resp:
+                body = await resp.read()
+        except _UNREACHABLE as e:
             raise ReplicaDead(f"{self.name} is unreachable: {e!r}") from None
-        if resp.status_code != 200:
-            raise self._error(resp.status_code, _message(resp))
-        return resp.json()
+        if resp.status != 200:
+            raise self._error(resp.status, _message(body))
+        return json.loads(body)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[dict]:
         try:
-            async with self._async().stream("POST", "/generate", json=request.to_json()) as resp:
-                if resp.status_code != 200:
-                    await resp.aread()
-                    raise self._error(resp.status_code, _message(resp))
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+            async with self._post_generate(request) as resp:
+                if resp.status != 200:
+                    raise self._error(resp.status, _message(await resp.read()))
+                async for line in _lines(resp.content):
+                    if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
-                    if data == "[DONE]":
+                    if data == b"[DONE]":
                         return
                     item = json.loads(data)
                     if isinstance(item, dict) and "error" in item and "meta_info" not in item:
                         err = item["error"]
-                        raise self._error(err.get("code", 500), err.get("message", data))
+                        raise self._error(err.get("code", 500), err.get("message", data.decode()))
                     yield item
-        except httpx.TransportError as e:
+        except _UNREACHABLE as e:
             raise ReplicaDead(f"{self.name} is unreachable: {e!r}") from None
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -109,20 +125,22 @@ class HttpReplica(Replica):
     def _post(self, method: str, body: dict) -> Any:
         resp = httpx.post(f"{self.url}/{method}", json=body, headers=self.headers, timeout=None)
         if resp.status_code != 200:
-            raise self._error(resp.status_code, _message(resp))
+            raise self._error(resp.status_code, _message(resp.content))
         return resp.json()
 
     async def alive(self) -> bool:
+        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
         try:
-            resp = await self._async().get("/health", timeout=10)
-        except httpx.TransportError:
+            async with self._session().get(f"{self.url}/health", timeout=timeout) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (*_UNREACHABLE, asyncio.TimeoutError):
             return False
-        return resp.status_code == 200
 
     async def stop(self) -> None:
         http, self._http = self._http, None
         if http is not None:
-            await http.aclose()
+            await http.close()
         self.client.close()
 
     def _error(self, status: int, message: str) -> Exception:
@@ -137,8 +155,22 @@ class HttpReplica(Replica):
         return EXCEPTIONS[kind](message)
 
 
-def _message(resp: httpx.Response) -> str:
+def _message(body: bytes) -> str:
+    """The message of a worker's error answer (`{"error": {"message": ...}}`), else its text."""
     try:
-        return resp.json()["error"]["message"]
+        return json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
-        return resp.text
+        return body.decode(errors="replace")
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The lines of a body as they come, of any length (StreamReader's own line reading
+    refuses lines longer than its buffer: an event with many logprobs can be longer)."""
+    pending = b""
+    async for chunk in content.iter_any():
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            yield line
+    if pending:
+        yield pending

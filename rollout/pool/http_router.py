@@ -16,8 +16,12 @@ as `rollout serve`'s do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -26,6 +30,7 @@ from rollout.pool.pool_setup import PoolOptions
 from rollout.server.launch import GRACEFUL_SHUTDOWN_S, add_option_arguments
 from rollout.server.lifecycle import (
     EXIT_ENGINE_DIED,
+    SIGNALS,
     EngineServer,
     ShutdownSignals,
     StartInterrupted,
@@ -90,11 +95,15 @@ def _serve(
 ) -> int:  # fmt: skip
     from rollout.pool.pool import RolloutPool
 
+    # The server runs on the pool's loop (run_server): of the kind uvicorn would pick (uvloop,
+    # where it is installed).
+    loop_factory = uvicorn.Config(app=None).get_loop_factory()
     pool = RolloutPool.over_workers(
         args.worker_urls, api_key=args.worker_api_key, model_path=args.model_path,
-        pool_options=pool_options,
+        pool_options=pool_options, loop_factory=loop_factory,
     )  # fmt: skip
-    return run_server(pool, options, signals, f"workers {' '.join(args.worker_urls)}")
+    what = f"workers {' '.join(args.worker_urls)}"
+    return run_server(pool, options, signals, what, on_pool_loop=True)
 
 
 def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], replicas: int) -> int:
@@ -120,8 +129,13 @@ def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], repli
             return 0
 
 
-def run_server(pool: Any, options: ServerOptions, signals: ShutdownSignals, what: str) -> int:
-    """Serves `pool` with rollout serve's app until a shutdown signal; shuts the pool down."""
+def run_server(
+    pool: Any, options: ServerOptions, signals: ShutdownSignals, what: str,
+    on_pool_loop: bool = False,
+) -> int:  # fmt: skip
+    """Serves `pool` with rollout serve's app until a shutdown signal; shuts the pool down.
+    `on_pool_loop`: the server runs on the pool's own event loop (a request then reaches the
+    pool's dispatcher with no hop between threads), else on one of its own."""
     from rollout.server.app import create_app
 
     try:
@@ -133,10 +147,30 @@ def run_server(pool: Any, options: ServerOptions, signals: ShutdownSignals, what
         server = signals.server = EngineServer(config, pool, app.state)
         url = f"http://{options.host}:{options.port}"
         print(f"rollout: serving {what} on {url}", file=sys.stderr, flush=True)
-        server.run()
+        if on_pool_loop:
+            with _exit_on_signals(server):
+                pool.run_on_loop(server.serve())
+        else:
+            server.run()
     finally:
         pool.shutdown()
     return EXIT_ENGINE_DIED if server.engine_died else 0
+
+
+@contextlib.contextmanager
+def _exit_on_signals(server: Any) -> Iterator[None]:
+    """What uvicorn does on the main thread while it serves there: SIGINT/SIGTERM go to the
+    server's handle_exit (a second SIGINT forces the exit). Serving on another thread, uvicorn
+    leaves signals alone, and they arrive here, on the main thread, which waits for it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -79,9 +79,11 @@ class RolloutPool(ControlAPI):
     def over_workers(
         cls, worker_urls: list[str], api_key: str | None = None, model_path: str | None = None,
         pool_options: pool_setup.PoolOptions | None = None,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
     ) -> RolloutPool:  # fmt: skip
         """A pool over running `rollout serve` workers (api_key: their admin key, if any).
-        `model_path` (default: the workers') is read here for the tokenizer only."""
+        `model_path` (default: the workers') is read here for the tokenizer only.
+        `loop_factory` makes the pool's event loop (default: asyncio's)."""
         from rollout.pool.http_replica import HttpReplica
 
         if not worker_urls:
@@ -89,16 +91,17 @@ class RolloutPool(ControlAPI):
         pool = cls.__new__(cls)
         pool._ray_group, pool._owns_ray = None, False
         made = [HttpReplica(i, url, api_key) for i, url in enumerate(worker_urls)]
-        pool._open(made, model_path, {}, pool_options)
+        pool._open(made, model_path, {}, pool_options, loop_factory)
         return pool
 
     def _open(
         self, replicas: list[Replica], model_path: str | None, engine_options: dict[str, Any],
         pool_options: pool_setup.PoolOptions | None,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
     ) -> None:  # fmt: skip
         self.pool_options = opts = pool_options or pool_setup.PoolOptions()
         self._closed = False
-        self._loop = asyncio.new_event_loop()
+        self._loop = (loop_factory or asyncio.new_event_loop)()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="rollout-pool", daemon=True
         )
@@ -141,6 +144,8 @@ class RolloutPool(ControlAPI):
     ) -> dict | list[dict] | AsyncIterator[dict]:
         self._check_open()
         if request.stream:
+            if self._on_loop():
+                return self.dispatcher.stream(request)
             return loop_streams.to_loop(self._loop, lambda: self.dispatcher.stream(request))
         return await self._await(self.dispatcher.generate(request))
 
@@ -302,10 +307,29 @@ class RolloutPool(ControlAPI):
         if self._closed:
             raise RuntimeError("the pool is shut down")
 
+    def run_on_loop(self, coro: Any) -> Any:
+        """Runs `coro` on the pool's event loop and waits for it (rollout router serves HTTP
+        there: its requests then reach the pool with no hop between threads)."""
+        return self._call(coro)
+
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
     def _call(self, coro: Any) -> Any:
+        if self._on_loop():
+            coro.close()
+            raise RuntimeError(
+                "a blocking RolloutPool method was called on the pool's own event loop, where "
+                "it would wait forever: await its async_ variant, or call it from a thread"
+            )
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _await(self, coro: Any) -> Any:
+        if self._on_loop():
+            return await coro
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     def shutdown(self) -> None:

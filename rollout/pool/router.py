@@ -20,7 +20,7 @@ replica's entries when the replica restarts with an empty cache.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 CHARS_PER_TOKEN = 4  # text prompts are routed on characters: about this many per token
@@ -61,6 +61,11 @@ class ReplicaCounters:
         }
 
 
+class Chain(list):
+    """A prompt's blocks as the index sees them: (hash of the prefix up to the block's end, the
+    prefix length in tokens) each (PrefixIndex.chain)."""
+
+
 class PrefixIndex:
     """Block-hash chains of routed prompts -> the replica that last served them (LRU-bounded)."""
 
@@ -73,33 +78,45 @@ class PrefixIndex:
         self.max_entries = max_entries
         self._owner: OrderedDict[int, int] = OrderedDict()
 
-    def _chain(self, key: list[int] | str) -> Iterator[tuple[int, int]]:
-        """(hash of the prefix up to the block's end, the prefix length in tokens) per block."""
-        size = self.block_size * (CHARS_PER_TOKEN if isinstance(key, str) else 1)
-        h = hash(("text" if isinstance(key, str) else "ids", size))
-        for start in range(0, len(key), size):
-            block = key[start : start + size]
-            h = hash((h, block if isinstance(block, str) else tuple(block)))
+    def chain(self, key: list[int] | str) -> Chain:
+        """(hash of the prefix up to the block's end, the prefix length in tokens) per block:
+        what match and insert take, made once per request."""
+        text = isinstance(key, str)
+        size = self.block_size * (CHARS_PER_TOKEN if text else 1)
+        h = hash(("text" if text else "ids", size))
+        items = key if text else tuple(key)  # its slices are hashable, made in one step each
+        chain = Chain()
+        for start in range(0, len(items), size):
+            block = items[start : start + size]
+            h = hash((h, block))
             end = start + len(block)
-            yield h, end // CHARS_PER_TOKEN if isinstance(key, str) else end
+            chain.append((h, end // CHARS_PER_TOKEN if text else end))
+        return chain
 
-    def match(self, key: list[int] | str, serving: set[int]) -> tuple[int | None, int]:
-        """The serving replica holding the longest routed prefix of `key`, and its length."""
+    def match(self, key: list[int] | str | Chain, serving: set[int]) -> tuple[int | None, int]:
+        """The serving replica holding the longest routed prefix of `key` (a prompt or its
+        chain), and its length."""
         best, length = None, 0
-        for h, end in self._chain(key):
-            owner = self._owner.get(h)
+        get = self._owner.get
+        for h, end in self._as_chain(key):
+            owner = get(h)
             if owner is None:
                 break
             if owner in serving:
                 best, length = owner, end
         return best, length
 
-    def insert(self, key: list[int] | str, replica: int) -> None:
-        for h, _ in self._chain(key):
-            self._owner[h] = replica
-            self._owner.move_to_end(h)
-        while len(self._owner) > self.max_entries:
-            self._owner.popitem(last=False)
+    def insert(self, key: list[int] | str | Chain, replica: int) -> None:
+        owners = self._owner
+        for h, _ in self._as_chain(key):
+            if h in owners:
+                owners.move_to_end(h)
+            owners[h] = replica
+        while len(owners) > self.max_entries:
+            owners.popitem(last=False)
+
+    def _as_chain(self, key: list[int] | str | Chain) -> Chain:
+        return key if isinstance(key, Chain) else self.chain(key)
 
     def forget(self, replica: int) -> None:
         for h in [h for h, owner in self._owner.items() if owner == replica]:
@@ -132,7 +149,8 @@ class Router:
         serving = set(serving)
         if not serving:
             raise ValueError("no replica is serving")
-        route = self._choose(key, serving, rid)
+        chain = self.index.chain(key) if key else None
+        route = self._choose(chain, serving, rid)
         counters = self.counters[route.replica]
         counters.routed += 1
         if route.reason == "prefix":
@@ -142,8 +160,8 @@ class Router:
             counters.pinned += 1
         else:
             counters.least_load += 1
-        if key:
-            self.index.insert(key, route.replica)
+        if chain:
+            self.index.insert(chain, route.replica)
         if rid is not None:
             self._pins[rid] = route.replica
             self._pins.move_to_end(rid)
@@ -151,15 +169,15 @@ class Router:
                 self._pins.popitem(last=False)
         return route
 
-    def _choose(self, key: list[int] | str | None, serving: set[int], rid: str | None) -> Route:
+    def _choose(self, chain: Chain | None, serving: set[int], rid: str | None) -> Route:
         pinned = self._pins.get(rid) if rid is not None else None
         if pinned in serving:
             return Route(pinned, "pinned")
         least = min(
             serving, key=lambda i: (self.counters[i].load_tokens, self.counters[i].in_flight, i)
         )
-        if key:
-            owner, matched = self.index.match(key, serving)
+        if chain:
+            owner, matched = self.index.match(chain, serving)
             floor = self.counters[least].load_tokens + self.max_imbalance_tokens
             if owner is not None and self.counters[owner].load_tokens <= floor:
                 return Route(owner, "prefix", matched)
