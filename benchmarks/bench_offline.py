@@ -7,6 +7,7 @@
         --max-len 256 --compare hf
     python benchmarks/bench_offline.py --model llama-3.1-8b --workload random --num-seqs 500 \\
         --input-len 4096 --output-len 2048
+    python benchmarks/bench_offline.py --model qwen2.5-7b --workload rl
 
 On a CPU, with the project's tiny model (seconds):
 
@@ -21,15 +22,31 @@ tokens. `fixed` is num_seqs greedy requests of exactly max_len prompt and max_le
 (or --input-len / --output-len). `random` is SGLang's random dataset as its CI benchmarks it
 (`bench_serving --dataset-name random`, range ratio 0): prompt lengths uniform in
 [1, input_len] and output lengths uniform in [1, output_len] (`--range-ratio r` raises both
-lower bounds to r x the length), ignore_eos, greedy. Token ids are drawn in 0..10000 and taken
-modulo the model's vocabulary (config.json's vocab_size), so a model with a larger one sees
-exactly nano-vllm's prompts and a smaller one still gets valid ids. A prompt and its output must
-fit the model's context together; lengths that cannot are refused before the engine starts.
+lower bounds to r x the length), ignore_eos, greedy. `rl` is a GRPO rollout phase: 128 prompts
+of 512..1024 tokens x 8 samples each (sent as n=8 sends them: one request per sample, a group's
+requests next to each other, sharing their prompt), temperature 1.0, return_logprob, and output
+lengths as reasoning rollouts have them: lognormal with median --max-len / 5 (4096 / 5) and
+sigma 1, capped at --max-len (4096), drawn per sample after the prompts from the same seeded
+stream (many short samples, a long tail, a few cut off at the cap), ignore_eos.
+
+Token ids are drawn in 0..10000 and taken modulo the model's vocabulary (config.json's
+vocab_size), so a model with a larger one sees exactly nano-vllm's prompts and a smaller one
+still gets valid ids. A prompt and its output must fit the model's context together; lengths
+that cannot are refused before the engine starts.
 
 A NAME of a real model (see REAL_CONFIGS) runs its real config with random weights (speed does
 not depend on them). `--compare hf` then runs transformers `generate` on the same model and
 prompts in this process (after the engine has shut down, on a GPU), in left-padded batches of
 --hf-batch-size, and prints the ratio.
+
+Besides throughput, each run reports when the samples finished (e2e_latency from submission:
+the median, the 90th percentile and the last) and how much of the wall time the device was
+idle: 1 - the device's time in steps (get_server_info's device_busy_s: timing events around
+every launch on a GPU, the time inside launches on the CPU) over the wall time. That is the idle
+time between steps; a gap inside a launch (the device waiting for the host to queue the rest of
+its step) counts as busy: profile_workload.py shows those per step. `--poll-ms N` calls
+get_server_info every N ms during the timed run, as a monitor scraping /metrics or /get_load
+does (both read it): run with and without it to see what monitoring costs.
 """
 
 from __future__ import annotations
@@ -37,82 +54,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import tempfile
+import threading
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.workloads import (  # noqa: E402
+    DEFAULT_MAX_LEN,
+    DEFAULT_NUM_SEQS,
+    NANO_MIN_LEN,
+    PROMPT_LENS,
+    WORKLOADS,
+    Workload,
+    fixed_workload,
+    grpo_workload,
+    nano_workload,
+    random_workload,
+    rl_workload,
+)
 from rollout import RolloutEngine  # noqa: E402
 from rollout.config import CacheOptions, KernelOptions  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
 
-Workload = tuple[list[list[int]], list[dict]]
-TOKEN_ID_HIGH = 10000  # nano-vllm draws randint(0, 10000)
-NANO_MIN_LEN = 100  # nano-vllm's prompt and output lengths are uniform in 100..max_len
-GRPO_PROMPT_LENS = (64, 512)
-DEFAULT_NUM_SEQS = {"nano": 256, "grpo": 64, "fixed": 64, "random": 500}
-DEFAULT_MAX_LEN = {"nano": 1024, "grpo": 512, "fixed": 256, "random": 1024}
-
-
-def token_ids(rng: random.Random, count: int, vocab_size: int) -> list[int]:
-    # Drawn as nano-vllm does, then folded into the vocabulary: the random stream (and with it
-    # every later length) is the same whatever the model.
-    return [rng.randint(0, TOKEN_ID_HIGH) % vocab_size for _ in range(count)]
-
-
-def nano_workload(num_seqs: int, max_len: int, vocab_size: int) -> Workload:
-    rng = random.Random(0)
-    prompts = [
-        token_ids(rng, rng.randint(NANO_MIN_LEN, max_len), vocab_size) for _ in range(num_seqs)
-    ]
-    params = [
-        {"temperature": 0.6, "ignore_eos": True, "max_new_tokens": output_len}
-        for output_len in (rng.randint(NANO_MIN_LEN, max_len) for _ in range(num_seqs))
-    ]
-    return prompts, params
-
-
-def grpo_workload(num_prompts: int, output_len: int, vocab_size: int) -> Workload:
-    rng = random.Random(0)
-    prompts = [
-        token_ids(rng, rng.randint(*GRPO_PROMPT_LENS), vocab_size) for _ in range(num_prompts)
-    ]
-    params = [
-        {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": output_len, "n": 8}
-        for _ in range(num_prompts)
-    ]
-    return prompts, params
-
-
-def fixed_workload(num_seqs: int, input_len: int, output_len: int, vocab_size: int) -> Workload:
-    rng = random.Random(0)
-    prompts = [token_ids(rng, input_len, vocab_size) for _ in range(num_seqs)]
-    params = [
-        {"temperature": 0, "ignore_eos": True, "max_new_tokens": output_len}
-        for _ in range(num_seqs)
-    ]
-    return prompts, params
-
-
-def random_workload(
-    num_seqs: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int
-) -> Workload:
-    rng = random.Random(0)
-    prompts, params = [], []
-    for _ in range(num_seqs):
-        n_in = rng.randint(max(int(input_len * range_ratio), 1), input_len)
-        n_out = rng.randint(max(int(output_len * range_ratio), 1), output_len)
-        prompts.append(token_ids(rng, n_in, vocab_size))
-        params.append({"temperature": 0, "ignore_eos": True, "max_new_tokens": n_out})
-    return prompts, params
-
 
 def build_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     """args as resolve_lengths left them."""
+    if args.workload == "rl":
+        return rl_workload(args.num_seqs, args.output_len, vocab_size)
     if args.workload == "nano":
         return nano_workload(args.num_seqs, args.max_len, vocab_size)
     if args.workload == "grpo":
@@ -137,7 +109,7 @@ def resolve_lengths(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--range-ratio must be in [0, 1], got {args.range_ratio}")
     if w != "random" and args.range_ratio:
         parser.error(f"--range-ratio applies to --workload random only, not {w}")
-    if w in ("nano", "grpo") and (args.input_len or args.output_len):
+    if w in ("nano", "grpo", "rl") and (args.input_len or args.output_len):
         parser.error(f"--input-len and --output-len apply to --workload fixed and random; {w} "
                      "takes --max-len")  # fmt: skip
     args.num_seqs = args.num_seqs or DEFAULT_NUM_SEQS[w]
@@ -149,8 +121,8 @@ def resolve_lengths(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                 f"lengths are uniform in {NANO_MIN_LEN}..max-len), got {args.max_len}"
             )
         args.input_len = args.output_len = args.max_len
-    elif w == "grpo":
-        args.input_len, args.output_len = GRPO_PROMPT_LENS[1], args.max_len
+    elif w in PROMPT_LENS:
+        args.input_len, args.output_len = PROMPT_LENS[w][1], args.max_len
     else:
         args.input_len = args.input_len or args.max_len
         args.output_len = args.output_len or args.max_len
@@ -164,10 +136,11 @@ def check_context(
     total = args.input_len + args.output_len
     if total <= context:
         return
-    flags = {
-        "nano": f"--max-len {args.max_len}",
-        "grpo": f"--max-len {args.max_len} (prompts are up to {GRPO_PROMPT_LENS[1]} tokens)",
-    }.get(args.workload, f"--input-len {args.input_len} / --output-len {args.output_len}")
+    flags = f"--input-len {args.input_len} / --output-len {args.output_len}"
+    if args.workload == "nano":
+        flags = f"--max-len {args.max_len}"
+    elif args.workload in PROMPT_LENS:
+        flags = f"--max-len {args.max_len} (prompts are up to {args.input_len} tokens)"
     parser.error(
         f"--workload {args.workload} with {flags} makes prompts of up to {args.input_len} and "
         f"outputs of up to {args.output_len} tokens, {total} in all, over the model's context "
@@ -197,16 +170,21 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add = parser.add_argument
     add("--model", "--model-path", dest="model", required=True,
         help=f"checkpoint dir or one of {sorted(REAL_CONFIGS)}")  # fmt: skip
-    add("--workload", choices=["nano", "grpo", "fixed", "random"], default="nano")
+    add("--workload", choices=WORKLOADS, default="nano")
     add("--num-seqs", type=int,
-        help="sequences (nano 256, fixed 64, random 500) or prompts (grpo, 64)")  # fmt: skip
+        help="sequences (nano 256, fixed 64, random 500) or prompts (grpo 64, rl 128)")  # fmt: skip
     add("--max-len", type=int,
         help="nano: max prompt and output length (1024, at least 100); grpo: output length "
-        "(512); fixed and random: default of --input-len and --output-len (256, 1024)")  # fmt: skip
+        "(512); rl: max output length (4096); fixed and random: default of --input-len and "
+        "--output-len (256, 1024)")  # fmt: skip
     add("--input-len", type=int, help="fixed: prompt length; random: max prompt length")
     add("--output-len", type=int, help="fixed: output length; random: max output length")
     add("--range-ratio", type=float, default=0.0,
         help="random: lower bound of the lengths, as a fraction of them, in [0, 1]")  # fmt: skip
+    add("--poll-ms", type=float,
+        help="call get_server_info every this many ms during the timed run (a monitor)")  # fmt: skip
+    add("--return-logprob", action=argparse.BooleanOptionalAction,
+        help="ask for each output token's logprob (default: on for rl, off otherwise)")  # fmt: skip
     add("--dtype", default="auto")
     add("--device", default=None)
     add("--disable-radix-cache", action="store_true")
@@ -222,13 +200,16 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
     args = parser.parse_args()
     resolve_lengths(parser, args)
+    if args.poll_ms is not None and args.poll_ms <= 0:
+        parser.error(f"--poll-ms must be > 0, got {args.poll_ms}")
+    if args.return_logprob is None:
+        args.return_logprob = args.workload == "rl"
     if args.compare == "hf" and not torch.cuda.is_available():
         parser.error("--compare hf needs a CUDA GPU (hf_baseline.py runs transformers there)")
     return parser, args
 
 
-def main() -> None:
-    parser, args = parse_args()
+def engine_options(args: argparse.Namespace) -> dict:
     options: dict = {
         "dtype": args.dtype,
         "device": args.device,
@@ -243,6 +224,60 @@ def main() -> None:
     }
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens
+    return options
+
+
+def poll(engine: RolloutEngine, every_s: float, done: threading.Event, count: list[int]) -> None:
+    """As a monitor does: get_server_info every `every_s` seconds until `done` is set."""
+    while not done.wait(every_s):
+        engine.get_server_info()
+        count[0] += 1
+
+
+def timed_run(engine: RolloutEngine, prompts: list[list[int]], params: list[dict],
+              args: argparse.Namespace) -> tuple[list[dict], float, float, dict]:  # fmt: skip
+    """Warms up, then generates the workload once (polled with --poll-ms): (outputs, wall
+    seconds, the device's busy seconds in that time, the engine's server info afterwards, with
+    "polls": how many get_server_info calls the run saw)."""
+    return_logprob = args.return_logprob
+    # Warm-up with the workload's own sampling settings at its batch width, so that kernels
+    # compiled on first use (Triton's sampling variants, the logprob head) are not timed.
+    warm = [{**p, "max_new_tokens": 4} for p in params[:64]]
+    engine.generate(
+        input_ids=[p[:16] for p in prompts[:64]], sampling_params=warm,
+        return_logprob=return_logprob,
+    )  # fmt: skip
+    engine.flush_cache()  # the timed run reuses nothing the warm-up computed
+    busy = engine.get_server_info()["device_busy_s"]
+    done, polls = threading.Event(), [0]
+    poller = threading.Thread(target=poll, args=(engine, (args.poll_ms or 0) / 1000, done, polls))
+    start = time.perf_counter()
+    if args.poll_ms:
+        poller.start()
+    outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=return_logprob)
+    seconds = time.perf_counter() - start
+    done.set()
+    if args.poll_ms:
+        poller.join()
+    info = engine.get_server_info()
+    return outs, seconds, info["device_busy_s"] - busy, {**info, "polls": polls[0]}
+
+
+def timing(outs: list[dict], seconds: float, busy: float) -> dict:
+    """Throughput-independent timings: when samples finished, and the device's idle share."""
+    finished = sorted(o["meta_info"]["e2e_latency"] for o in outs)
+    at = lambda q: round(finished[min(int(q * len(finished)), len(finished) - 1)], 3)  # noqa: E731
+    return {
+        "time_to_last_sample_s": round(finished[-1], 3),
+        "sample_finish_s": {"p50": at(0.5), "p90": at(0.9), "last": round(finished[-1], 3)},
+        "device_busy_s": round(busy, 3),
+        "device_idle_fraction": round(max(0.0, 1 - busy / seconds), 4),
+    }
+
+
+def main() -> None:
+    parser, args = parse_args()
+    options = engine_options(args)
     model = args.model
     if not os.path.isdir(model):
         if model.lower() not in REAL_CONFIGS:
@@ -261,21 +296,18 @@ def main() -> None:
         # Smaller than the config's when the KV pool (--max-total-tokens) is.
         context = engine.get_server_info()["context_length"]
         check_context(parser, args, context, "the engine's context_length")
-        # Warm-up with the workload's own sampling settings at its batch width, so that kernels
-        # compiled on first use (Triton's sampling variants) are not timed.
-        warm = [{**p, "max_new_tokens": 4} for p in params[:64]]
-        engine.generate(input_ids=[p[:16] for p in prompts[:64]], sampling_params=warm)
-        engine.flush_cache()  # the timed run reuses nothing the warm-up computed
-        start = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        seconds = time.perf_counter() - start
-        info = engine.get_server_info()
+        outs, seconds, busy, info = timed_run(engine, prompts, params, args)
     output_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     if output_tokens != expected_tokens:
         raise RuntimeError(
             f"the engine generated {output_tokens} tokens, the workload asked for "
             f"{expected_tokens} (ignore_eos): a request was cut short or aborted"
         )
+    if args.return_logprob and any(
+        len(o["meta_info"]["output_token_logprobs"]) != o["meta_info"]["completion_tokens"]
+        for o in outs
+    ):
+        raise RuntimeError("return_logprob: an output lacks a logprob for one of its tokens")
     result = {
         "workload": args.workload,
         "model": args.model,
@@ -283,6 +315,8 @@ def main() -> None:
         "output_tokens": output_tokens,
         "seconds": round(seconds, 3),
         "output_tok_per_s": round(output_tokens / seconds, 1),
+        **timing(outs, seconds, busy),
+        "return_logprob": args.return_logprob,
         "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
         "device": info["device"],
         "dtype": info["dtype"],
@@ -295,6 +329,10 @@ def main() -> None:
         "cuda_graph": not args.disable_cuda_graph and info["device"].startswith("cuda"),
         "overlap_schedule": not args.disable_overlap_schedule,
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
+        "pipeline_drains": info["pipeline_drains"],
+        "poll_ms": args.poll_ms,
+        "polls": info["polls"],
+        "retractions": info["retractions"],
     }
     if args.compare == "hf":
         from benchmarks.hf_baseline import hf_throughput

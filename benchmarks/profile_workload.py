@@ -23,7 +23,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_offline import fixed_workload, grpo_workload, nano_workload, random_workload  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    WORKLOADS,
+    fixed_workload,
+    grpo_workload,
+    nano_workload,
+    random_workload,
+    rl_workload,
+)
 from rollout.config import CacheOptions, EngineOptions, KernelOptions  # noqa: E402
 from rollout.engine import launched_step  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
@@ -47,12 +54,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run(sched, prompts, params) -> list[tuple[str, int, float, float]]:
+def run(sched, prompts, params, return_logprob=False) -> list[tuple[str, int, float, float]]:
     vocab = sched.runner.vocab_size  # tiny test checkpoints have fewer ids than the workloads use
     for i, (ids, p) in enumerate(zip(prompts, params)):
         ids = [t % vocab for t in ids]
         for j in range(p.pop("n", 1)):
-            sched.add_request(TokenizedRequest(f"r{i}-{j}", ids, SamplingParams(**p), seed=i * 8 + j))
+            sched.add_request(
+                TokenizedRequest(f"r{i}-{j}", ids, SamplingParams(**p), seed=i * 8 + j, return_logprob=return_logprob)
+            )
     steps = []
     sync()
     runner = sched.runner
@@ -116,14 +125,28 @@ def bucket(n: int) -> str:
     return f">{BUCKETS[-1]}"
 
 
+def pick_workload(args: argparse.Namespace, vocab: int):
+    """The prompts and sampling params of --workload at its default sizes."""
+    if args.workload == "nano":
+        return nano_workload(args.num_seqs or 256, 1024, vocab)
+    if args.workload == "grpo":
+        return grpo_workload(args.num_seqs or 64, 512, vocab)
+    if args.workload == "rl":
+        return rl_workload(args.num_seqs or 128, args.output_len or 4096, vocab)
+    output_len = args.output_len or 1024
+    if args.workload == "fixed":
+        return fixed_workload(args.num_seqs or 64, args.input_len, output_len, vocab)
+    return random_workload(args.num_seqs or 500, args.input_len, output_len, 0.0, vocab)
+
+
 def main() -> None:
     kernels, cache = KernelOptions(), CacheOptions()  # the engine's defaults
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b")
-    parser.add_argument("--workload", choices=["nano", "grpo", "fixed", "random"], default="nano")
+    parser.add_argument("--workload", choices=WORKLOADS, default="nano")
     parser.add_argument("--num-seqs", type=int)
     parser.add_argument("--input-len", type=int, default=1024)
-    parser.add_argument("--output-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, help="fixed, random: 1024; rl: max output length (4096)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default=kernels.attention_backend)
     parser.add_argument("--decode-attention-backend", default=kernels.decode_attention_backend)
@@ -151,18 +174,10 @@ def main() -> None:
     sched = SchedulerProcess(options).scheduler
     launched_step.LaunchedStep.wait = _timed_wait
 
-    def workload():
-        if args.workload == "nano":
-            return nano_workload(args.num_seqs or 256, 1024)
-        if args.workload == "grpo":
-            return grpo_workload(args.num_seqs or 64, 512)
-        if args.workload == "fixed":
-            return fixed_workload(args.num_seqs or 64, args.input_len, args.output_len)
-        return random_workload(args.num_seqs or 500, args.input_len, args.output_len, 0.0)
-
     run(sched, [[1, 2, 3]], [{"max_new_tokens": 4}])  # warm-up
     start = time.perf_counter()
-    steps = run(sched, *workload())
+    logprob = args.workload == "rl"  # as an RL trainer asks
+    steps = run(sched, *pick_workload(args, sched.runner.vocab_size), return_logprob=logprob)
     total = time.perf_counter() - start
     keys = "" if args.decode_split_keys is None else f", decode pieces of {args.decode_split_keys} keys"
     print(f"{args.workload} on {args.model}: {total:.2f} s, {len(steps)} steps{keys}, decode on {sched.runner.kernel_plan.decode_attention}")
@@ -193,7 +208,7 @@ def main() -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
-        run(sched, *workload())
+        run(sched, *workload(), return_logprob=logprob)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 

@@ -2,6 +2,7 @@
 
     python benchmarks/simulate_schedule.py --model llama-3.1-8b --workload random \\
         --num-seqs 500 --input-len 4096 --output-len 2048 --kv-tokens 423842
+    python benchmarks/simulate_schedule.py --model qwen2.5-7b --workload rl --kv-tokens 980000
 
 Runs the real Scheduler (admission, chunked prefill, retraction, prefix cache) over a runner
 that computes nothing and returns token 7 at once, and charges each step what a roofline says
@@ -11,6 +12,11 @@ reads the weights, if that is slower). Prints the estimated seconds and output t
 steps of each kind, the mean decode batch and the retractions. Every number is a model of the
 device, not a measurement: use it to compare scheduling choices, or to see how far a measured
 run is from the roofline of its own schedule.
+
+The workloads are bench_offline.py's, drawn the same way (the model's vocabulary folds the token
+ids); --num-seqs and --output-len default to each one's own (rl: 128 prompts x 8 samples of up to
+4096 tokens), --input-len to 4096 (fixed, random). The time at which the last sample finished is
+printed too: with a long tail of lengths (rl), the last steps run few requests.
 """
 
 from __future__ import annotations
@@ -19,10 +25,22 @@ import argparse
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_gemv import projections  # noqa: E402
-from benchmarks.bench_offline import fixed_workload, grpo_workload, nano_workload, random_workload  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    DEFAULT_MAX_LEN,
+    DEFAULT_NUM_SEQS,
+    RL_PROMPT_LENS,
+    WORKLOADS,
+    fixed_workload,
+    grpo_workload,
+    nano_workload,
+    random_workload,
+    rl_workload,
+)
 from rollout.config import EngineOptions, SchedulerOptions  # noqa: E402
 from rollout.engine.launched_step import LaunchedStep, ReqStepOutput  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
@@ -49,6 +67,8 @@ def model_sizes(cfg: dict, kv_element_bytes: int = BYTES) -> tuple[int, int, int
 
 class RooflineRunner:
     """What the Scheduler needs of a ModelRunner, with device time charged by a roofline."""
+
+    device = torch.device("cpu")  # where the scheduler's step timer measures: nothing of note
 
     def __init__(self, args: argparse.Namespace, cfg: dict) -> None:
         self.num_slots = args.kv_tokens
@@ -77,13 +97,32 @@ class RooflineRunner:
         return step.outputs()
 
 
+def workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]], list[dict]]:
+    """bench_offline's workload; sets args.input_len and args.output_len to its longest."""
+    w = args.workload
+    args.num_seqs = args.num_seqs or DEFAULT_NUM_SEQS[w]
+    args.output_len = args.output_len or (2048 if w in ("random", "fixed") else DEFAULT_MAX_LEN[w])
+    if w == "nano":
+        args.input_len = args.output_len = DEFAULT_MAX_LEN["nano"]
+        return nano_workload(args.num_seqs, args.output_len, vocab_size)
+    if w == "grpo":
+        args.input_len = 512
+        return grpo_workload(args.num_seqs, args.output_len, vocab_size)
+    if w == "rl":
+        args.input_len = RL_PROMPT_LENS[1]
+        return rl_workload(args.num_seqs, args.output_len, vocab_size)
+    if w == "fixed":
+        return fixed_workload(args.num_seqs, args.input_len, args.output_len, vocab_size)
+    return random_workload(args.num_seqs, args.input_len, args.output_len, 0.0, vocab_size)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(REAL_CONFIGS))
-    parser.add_argument("--workload", choices=["nano", "grpo", "random", "fixed"], default="random")
-    parser.add_argument("--num-seqs", type=int, default=500)
+    parser.add_argument("--workload", choices=WORKLOADS, default="random")
+    parser.add_argument("--num-seqs", type=int, help="the workload's own default (random: 500)")
     parser.add_argument("--input-len", type=int, default=4096)
-    parser.add_argument("--output-len", type=int, default=2048)
+    parser.add_argument("--output-len", type=int, help="default: the workload's own (random: 2048)")
     parser.add_argument("--kv-tokens", type=int, required=True, help="KV pool size, as the engine reports it")
     parser.add_argument("--max-running-requests", type=int, default=SchedulerOptions().max_running_requests)
     parser.add_argument(
@@ -95,16 +134,7 @@ def main() -> None:
     parser.add_argument("--disable-radix-cache", action="store_true")
     args = parser.parse_args()
 
-    if args.workload == "nano":
-        prompts, params = nano_workload(args.num_seqs, 1024)
-        args.input_len = args.output_len = 1024
-    elif args.workload == "grpo":
-        prompts, params = grpo_workload(args.num_seqs, args.output_len)
-        args.input_len = 512
-    elif args.workload == "fixed":
-        prompts, params = fixed_workload(args.num_seqs, args.input_len, args.output_len)
-    else:
-        prompts, params = random_workload(args.num_seqs, args.input_len, args.output_len, 0.0)
+    prompts, params = workload(args, REAL_CONFIGS[args.model]["vocab_size"])
     runner = RooflineRunner(args, REAL_CONFIGS[args.model])
     options = EngineOptions.from_kwargs(
         model_path="unused", max_running_requests=args.max_running_requests,
@@ -114,17 +144,20 @@ def main() -> None:
     for i, (ids, p) in enumerate(zip(prompts, params)):
         for j in range(p.pop("n", 1)):
             sched.add_request(TokenizedRequest(f"r{i}-{j}", ids, SamplingParams(**p), seed=i))
-    steps = 0
+    steps, finished = 0, []  # the estimated time at which each request finished
     while sched.has_work():
-        sched.step()
+        done = [r for r in sched.step() if r.finished]
+        finished += [sum(runner.seconds.values())] * len(done)
         steps += 1
     total = sum(runner.seconds.values())
     tokens = sched.stats["generated_tokens"]
     batches = runner.decode_batches
+    p90 = sorted(finished)[int(0.9 * (len(finished) - 1))]
     print(
         f"estimate: {total:.1f} s ({runner.seconds['prefill']:.1f} prefill, {runner.seconds['decode']:.1f} decode), "
         f"{tokens / total:.0f} output tok/s; {steps} steps, {len(batches)} decode, mean decode batch "
-        f"{sum(batches) / max(len(batches), 1):.1f}; {sched.stats['retractions']} retractions"
+        f"{sum(batches) / max(len(batches), 1):.1f}; {sched.stats['retractions']} retractions; "
+        f"90% of {len(finished)} samples done at {p90:.1f} s, the last at {max(finished):.1f} s"
     )
 
 

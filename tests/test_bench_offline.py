@@ -74,6 +74,48 @@ def test_prompt_ids_are_folded_into_the_vocabulary_and_unchanged_where_it_is_lar
     assert all(100 <= q["max_new_tokens"] <= 300 for q in large_params)
 
 
+def test_the_rl_workload_is_grpo_groups_with_skewed_seeded_lengths(bench):
+    prompts, params = bench.rl_workload(128, 4096, 151936)
+    assert (prompts, params) == bench.rl_workload(128, 4096, 151936)  # seeded
+    assert len(prompts) == len(params) == 128 * 8
+    for g in range(128):  # a group's 8 samples are neighbours with one prompt
+        assert all(p == prompts[8 * g] for p in prompts[8 * g : 8 * g + 8])
+        assert 512 <= len(prompts[8 * g]) <= 1024
+    assert len({tuple(p) for p in prompts}) == 128
+    assert all(q["temperature"] == 1.0 and q["ignore_eos"] for q in params)
+    lengths = sorted(q["max_new_tokens"] for q in params)
+    assert 1 <= lengths[0] and lengths[-1] == 4096
+    # Many short, a long tail: the median well under the mean, a quarter under 512 tokens,
+    # and a few samples run to the cap.
+    median, mean = lengths[len(lengths) // 2], sum(lengths) / len(lengths)
+    assert median < 1024 < mean < 2048
+    assert sum(n < 512 for n in lengths) > len(lengths) // 4
+    assert 10 < lengths.count(4096) < 100
+
+
+def test_the_rl_workload_runs_scaled_down_and_reports_its_timings(bench, tiny_qwen3):
+    proc = run_bench(
+        "--model", tiny_qwen3, "--workload", "rl", "--num-seqs", "2", "--max-len", "48",
+        "--device", "cpu", "--poll-ms", "2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    _, params = bench.rl_workload(2, 48, TINY_VOCAB)
+    assert result["num_seqs"] == 16
+    assert result["output_tokens"] == sum(q["max_new_tokens"] for q in params)
+    assert result["return_logprob"] is True  # the bench checks every token got one
+    assert result["cached_tokens"] > 0  # a group's samples share their prompt's KV
+    finish, seconds = result["sample_finish_s"], result["seconds"]
+    assert 0 < finish["p50"] <= finish["p90"] <= finish["last"] <= seconds * 1.01
+    assert result["time_to_last_sample_s"] == finish["last"]
+    assert 0 < result["device_busy_s"] <= seconds
+    # From the unrounded times: the printed ones are rounded to the millisecond.
+    idle = 1 - result["device_busy_s"] / seconds
+    assert result["device_idle_fraction"] == pytest.approx(idle, abs=0.02)
+    # Polled as a monitor polls, and still nothing broke the overlap.
+    assert result["polls"] > 0 and result["pipeline_drains"] == 0
+
+
 def test_a_bad_length_is_a_usage_error_not_a_traceback(tiny_qwen3):
     """The issue's own case: nano draws lengths in 100..max-len, so 32 leaves no range."""
     proc = run_bench("--model", tiny_qwen3, "--workload", "nano", "--max-len", "32", timeout=60)
@@ -95,6 +137,9 @@ def test_a_bad_length_is_a_usage_error_not_a_traceback(tiny_qwen3):
         (["--workload", "nano", "--output-len", "5"], "--input-len and --output-len apply to"),
         (["--workload", "nano", "--max-len", "3000"], "--max-len 3000 makes prompts of up to 3000"),
         (["--workload", "grpo", "--max-len", "4000"], "outputs of up to 4000 tokens, 4512 in all"),
+        (["--workload", "rl", "--max-len", "3500"], "(prompts are up to 1024 tokens)"),
+        (["--workload", "rl", "--input-len", "600"], "--input-len and --output-len apply to"),
+        (["--workload", "nano", "--poll-ms", "0"], "--poll-ms must be > 0, got 0.0"),
         (["--workload", "fixed", "--input-len", "4000", "--output-len", "200"],
          "--input-len 4000 / --output-len 200"),
         (["--workload", "random", "--max-len", "2049"], "over the model's context of 4096 tokens"),

@@ -12,7 +12,7 @@ from typing import ClassVar
 from rollout.control import ControlCall
 from rollout.engine.lora_calls import LORA_CALLS
 from rollout.engine.messages import AbortRequest
-from rollout.weight_sync.calls import WEIGHT_CALLS
+from rollout.weight_sync.calls import WEIGHT_CALLS, GetWeightVersion
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class Shutdown(ControlCall):
 
     method: ClassVar[str] = "shutdown"
 
+
+# Calls that change nothing: answered between steps from the scheduler's host state (queues,
+# KV use, counters, versions), with the step in flight left running. Every other call drains it.
+READ_ONLY_CALLS: tuple[type[ControlCall], ...] = (GetServerInfo, GetWeightVersion)
 
 CALLS: dict[str, type[ControlCall]] = {
     call.method: call

@@ -57,6 +57,8 @@ class Scheduler:
         self.weight_updates = 0  # weight changes committed, named or not (labels may repeat)
         # Why stepping is held (generation paused, memory released, ...): requests wait meanwhile.
         self.holds: set[str] = set()
+        # Steps in flight applied early with requests left to run: each held their next launch.
+        self.drains = 0
         ratio = NewTokenRatio(self.options.schedule_conservativeness)
         self.prefill = PrefillPlanner(self.options, self.kv, ratio)
         self.decode = DecodePlanner(self.kv, ratio)
@@ -73,12 +75,14 @@ class Scheduler:
         return self.pipeline.in_flight
 
     @property
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         return {
             "prompt_tokens": self.prefill.prompt_tokens,
             "cached_tokens": self.prefill.cached_tokens,
             "generated_tokens": self.results.generated_tokens,
             "retractions": self.decode.retractions,
+            "pipeline_drains": self.drains,
+            "device_busy_s": self.pipeline.busy.seconds,
         }
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -146,6 +150,10 @@ class Scheduler:
         chunk = [self.chunked] if self.chunked is not None else []
         return [*self.waiting, *self.running, *chunk, *self.grammars.reqs()]
 
+    def has_requests(self) -> bool:
+        """Are requests queued, mid-prefill or running? (Not counting the step in flight.)"""
+        return bool(self.waiting or self.running or self.chunked)
+
     def has_work(self) -> bool:
         busy = self.waiting or self.running or self.chunked or self.pipeline.in_flight
         return bool(busy or self.grammars)
@@ -180,6 +188,8 @@ class Scheduler:
     def drain(self) -> None:
         """Applies the batch in flight, if any. Afterwards every sampled token is on the host,
         each running request's KV covers all but its newest token, and the device is done."""
+        if self.pipeline.in_flight is not None and self.has_requests():
+            self.drains += 1  # the next launch waits for this step's results
         self.pipeline.drain()
 
     def take_reports(self) -> list[Req]:

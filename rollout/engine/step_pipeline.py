@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from rollout.engine.busy_timer import BusyTimer
 from rollout.engine.kv_manager import KVManager
 from rollout.engine.launched_step import LaunchedStep, ReqStepOutput
 from rollout.engine.messages import failure_reason
@@ -43,6 +44,7 @@ class StepPipeline:
         self.on_results = on_results  # records a step's results in its requests
         self.on_failure = on_failure  # finishes a request whose own step failed
         self.in_flight: LaunchedStep | None = None  # launched, results not applied yet
+        self.busy = BusyTimer(runner.device)  # the device's time in the steps pushed here
 
     def must_drain_first(self) -> bool:
         """Penalties read the tokens so far: requests with them wait for the step in flight
@@ -57,7 +59,7 @@ class StepPipeline:
         failed = None
         if batch is not None:
             try:
-                launched = self.runner.launch(batch)
+                launched = self.busy.time(lambda: self.runner.launch(batch))
             except Exception as e:  # noqa: BLE001 - this batch's requests fail, not the engine
                 failed = e
             else:
@@ -78,7 +80,9 @@ class StepPipeline:
             self._apply(step)
 
     def _apply(self, step: LaunchedStep) -> None:
-        self.on_results(step.batch, self.runner.resolve(step))
+        outs = self.runner.resolve(step)
+        self.busy.collect()  # the step is done: its span joins the total
+        self.on_results(step.batch, outs)
 
     def _isolate(self, batch: ScheduleBatch, exc: Exception) -> None:
         """`batch` failed to launch, with nothing in flight now: each request is launched alone

@@ -75,6 +75,16 @@ class ServerMetrics:
             "cached prompt tokens / prompt tokens, since start",
             registry=r,
         )
+        # Totals since start, as the scheduler counts them (its rate over time: the busy share).
+        self.device_busy = Gauge(
+            "rollout_device_busy_seconds", "device time spent in steps, since start", registry=r
+        )
+        self.drains = Gauge(
+            "rollout_pipeline_drains",
+            "steps in flight applied early (a state-changing call, penalties, a full KV pool), "
+            "since start",
+            registry=r,
+        )
 
     def endpoint(self, path: str) -> str:
         """The endpoint label of a request path (a route name, or "other")."""
@@ -108,6 +118,8 @@ class ServerMetrics:
         self.kv_usage.set(1.0 - info.get("kv_free", total) / total)
         prompt = info.get("prompt_tokens", 0)
         self.hit_rate.set(info.get("cached_tokens", 0) / prompt if prompt else 0.0)
+        self.device_busy.set(info.get("device_busy_s", 0.0))
+        self.drains.set(info.get("pipeline_drains", 0))
         return generate_latest(self.registry)
 
 

@@ -1,0 +1,87 @@
+"""The offline workloads (bench_offline.py's doc describes each), drawn from seeded streams:
+the same prompts and lengths in every script that runs them (bench_offline, simulate_schedule,
+profile_workload). Each returns (prompts, sampling params), one params dict per prompt."""
+
+from __future__ import annotations
+
+import math
+import random
+
+Workload = tuple[list[list[int]], list[dict]]
+TOKEN_ID_HIGH = 10000  # nano-vllm draws randint(0, 10000)
+NANO_MIN_LEN = 100  # nano-vllm's prompt and output lengths are uniform in 100..max_len
+GRPO_PROMPT_LENS = (64, 512)
+RL_PROMPT_LENS = (512, 1024)
+RL_GROUP = 8  # samples of each prompt (a GRPO group)
+RL_MEDIAN_FRACTION, RL_SIGMA = 0.2, 1.0  # lognormal output lengths: median max_len / 5
+WORKLOADS = ("nano", "grpo", "fixed", "random", "rl")
+DEFAULT_NUM_SEQS = {"nano": 256, "grpo": 64, "fixed": 64, "random": 500, "rl": 128}
+DEFAULT_MAX_LEN = {"nano": 1024, "grpo": 512, "fixed": 256, "random": 1024, "rl": 4096}
+PROMPT_LENS = {"grpo": GRPO_PROMPT_LENS, "rl": RL_PROMPT_LENS}  # those that take --max-len only
+
+
+def token_ids(rng: random.Random, count: int, vocab_size: int) -> list[int]:
+    # Drawn as nano-vllm does, then folded into the vocabulary: the random stream (and with it
+    # every later length) is the same whatever the model.
+    return [rng.randint(0, TOKEN_ID_HIGH) % vocab_size for _ in range(count)]
+
+
+def nano_workload(num_seqs: int, max_len: int, vocab_size: int) -> Workload:
+    rng = random.Random(0)
+    prompts = [
+        token_ids(rng, rng.randint(NANO_MIN_LEN, max_len), vocab_size) for _ in range(num_seqs)
+    ]
+    params = [
+        {"temperature": 0.6, "ignore_eos": True, "max_new_tokens": output_len}
+        for output_len in (rng.randint(NANO_MIN_LEN, max_len) for _ in range(num_seqs))
+    ]
+    return prompts, params
+
+
+def grpo_workload(num_prompts: int, output_len: int, vocab_size: int) -> Workload:
+    rng = random.Random(0)
+    prompts = [
+        token_ids(rng, rng.randint(*GRPO_PROMPT_LENS), vocab_size) for _ in range(num_prompts)
+    ]
+    params = [
+        {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": output_len, "n": 8}
+        for _ in range(num_prompts)
+    ]
+    return prompts, params
+
+
+def fixed_workload(num_seqs: int, input_len: int, output_len: int, vocab_size: int) -> Workload:
+    rng = random.Random(0)
+    prompts = [token_ids(rng, input_len, vocab_size) for _ in range(num_seqs)]
+    params = [
+        {"temperature": 0, "ignore_eos": True, "max_new_tokens": output_len}
+        for _ in range(num_seqs)
+    ]
+    return prompts, params
+
+
+def random_workload(
+    num_seqs: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int
+) -> Workload:
+    rng = random.Random(0)
+    prompts, params = [], []
+    for _ in range(num_seqs):
+        n_in = rng.randint(max(int(input_len * range_ratio), 1), input_len)
+        n_out = rng.randint(max(int(output_len * range_ratio), 1), output_len)
+        prompts.append(token_ids(rng, n_in, vocab_size))
+        params.append({"temperature": 0, "ignore_eos": True, "max_new_tokens": n_out})
+    return prompts, params
+
+
+def rl_workload(num_prompts: int, max_output_len: int, vocab_size: int) -> Workload:
+    """RL_GROUP requests per prompt, each with its own output length (see the module doc)."""
+    rng = random.Random(0)
+    prompts = [token_ids(rng, rng.randint(*RL_PROMPT_LENS), vocab_size) for _ in range(num_prompts)]
+    median = math.log(max_output_len * RL_MEDIAN_FRACTION)
+    lengths = [
+        min(max(round(rng.lognormvariate(median, RL_SIGMA)), 1), max_output_len)
+        for _ in range(num_prompts * RL_GROUP)
+    ]
+    samples = [list(p) for p in prompts for _ in range(RL_GROUP)]
+    params = [{"temperature": 1.0, "ignore_eos": True, "max_new_tokens": n} for n in lengths]
+    return samples, params
