@@ -138,7 +138,7 @@ def test_loading_over_a_name_replaces_that_adapter_in_its_slot(setup):
     assert max_err(got[1], setup.want[None][0]) <= TOL
 
 
-@pytest.mark.parametrize("size", [2])
+@pytest.mark.parametrize("size", [2, 4])  # at 4 ranks each KV head is on two ranks
 def test_tensor_parallel_ranks_hold_their_slices_and_sum_to_the_whole_delta(setup, size):
     _, whole = serve(setup)
     ranks = [serve(setup, tp=TPGroup(r, size))[1] for r in range(size)]

@@ -10,6 +10,9 @@ All graphs share one memory pool, captured largest first so the smaller ones fit
 
 NOTE: graphs hold the addresses of the weights, the KV pool, req_to_token and the backend's
 buffers. Anything that replaces those tensors (rather than writing into them) must capture again.
+With LoRA adapters the same holds of the adapter slots and the LoRA batch buffers (models/
+lora_layer.py): loading an adapter copies into its slot, and each step's rows are written into
+the batch buffers, padded to the graph's size (LoraBatch.pad_to).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,6 +29,9 @@ from rollout.forward import memory_regions
 from rollout.forward.attention.base import AttentionBackend
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout.forward.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from rollout.models.lora_layer import LoraBatch
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +63,12 @@ class CudaGraphRunner:
         req_to_token: torch.Tensor,
         max_batch_size: int,
         device: torch.device,
+        lora: LoraBatch | None = None,
     ) -> None:
         """Captures graphs for decode batches of up to max_batch_size rows (the KernelPlan's
-        cuda_graph_max_bs); larger batches are not this runner's (can_replay says no)."""
+        cuda_graph_max_bs); larger batches are not this runner's (can_replay says no). With
+        `lora` (the model's layers have adapter slots), the graphs run the LoRA layers for
+        every replay: the runner prepares each step's rows before replaying."""
         if not backend.supports_cuda_graph:
             raise ValueError(f"{type(backend).__name__} cannot run inside a CUDA graph")
         self.model = model
@@ -66,8 +76,16 @@ class CudaGraphRunner:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.device = device
+        self.lora = lora
         self.sizes = graph_batch_sizes(max_batch_size)
         n = self.sizes[-1]
+        if lora is not None and lora.max_tokens < n:
+            raise ValueError(
+                f"the LoRA batch buffers hold {lora.max_tokens} rows, fewer than the largest "
+                f"CUDA graph's batch ({n})"
+            )
+        # Captured base-only: a graph runs the LoRA layers for any later mix of adapters.
+        self.no_adapters = torch.full((n,), -1, dtype=torch.int32, device=device)
         # Static inputs: every graph reads its first rows. Zeros are valid padding everywhere
         # (token 0, position 0, KV slot 0).
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -103,6 +121,8 @@ class CudaGraphRunner:
         for bs in reversed(self.sizes):
             fb = self._static_batch(bs)
             self.backend.prepare_graph(bs, None)
+            if self.lora is not None:
+                self.lora.prepare(self.no_adapters[:bs], active=True)
             # One eager run on the capture stream first: lazy initialisation (cuBLAS workspaces,
             # kernel loading) is not allowed while capturing.
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -137,5 +157,7 @@ class CudaGraphRunner:
         # NOTE: rows b..bs may hold a previous batch's slots, now someone else's: pad with 0.
         self.out_cache_loc[b:bs].zero_()
         self.backend.prepare_graph(bs, fb)
+        if self.lora is not None:  # the runner prepared fb's rows: pad them to the graph's
+            self.lora.pad_to(bs)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

@@ -17,6 +17,11 @@ load or update of a name is a new prefix-cache namespace: KV computed under olde
 adapter is never reused by a request attached later.
 
 Loading, unloading and updating happen between steps, on the scheduler's control path.
+
+With tensor parallelism every rank has a LoraManager over its slices of the slots. Rank 0's
+loads and unloads act on every rank (`use_other_ranks`; the other ranks answer through
+weight_sync.adapter_ranks.RankAdapters): an adapter is loaded on all ranks or on none.
+Requests, namespaces and versions are rank 0's alone.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from rollout.errors import Forbidden, InvalidRequest
 from rollout.models.loader import OutsideRootsError
 from rollout.models.lora import AdapterError, AdapterSlots, LoraAdapter, lora_module_shapes
 from rollout.models.lora_adapter import read_peft_adapter
+from rollout.weight_sync.adapter_ranks import OtherRankAdapters
+from rollout.weight_sync.rank_sync import OtherRanks
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +78,7 @@ class LoraManager:
         # is a new prefix-cache namespace.
         self._loads: dict[str, int] = {}
         self._versions: dict[str, str] = {}  # loaded adapter name -> its version label
+        self._others: OtherRankAdapters | None = None  # rank 0's line to the other ranks
         for name, adapter in preload.items():
             self._load(name, options.named_paths()[name], adapter)
 
@@ -107,6 +115,12 @@ class LoraManager:
         except (FileNotFoundError, AdapterError) as e:
             raise InvalidRequest(f"LoRA adapter {name!r}: {e}") from None
         self._load(name, path, adapter)
+        if self._others is not None:
+            try:
+                self._others.load(name, path, roots)
+            except Exception:
+                self._forget(name)
+                raise
         return {"success": True, "message": f"loaded LoRA adapter {name!r}", **self.info()}
 
     def _load(self, name: str, path: str, adapter: LoraAdapter) -> None:
@@ -129,10 +143,19 @@ class LoraManager:
                 f"LoRA adapter {name!r} is used by {in_use} queued or running request(s): "
                 f"unload it when they have finished (or abort them)"
             )
+        self._forget(name)
+        if self._others is not None:
+            self._others.unload(name)
+        return {"success": True, "message": f"unloaded LoRA adapter {name!r}", **self.info()}
+
+    def _forget(self, name: str) -> None:
         self.slots.unload(name)
         del self._paths[name]
         del self._versions[name]
-        return {"success": True, "message": f"unloaded LoRA adapter {name!r}", **self.info()}
+
+    def use_other_ranks(self, ranks: OtherRanks) -> None:
+        """Rank 0 of several: every load and unload from now on acts on `ranks` too."""
+        self._others = OtherRankAdapters(ranks)
 
     # ---- weight sync (rollout/weight_sync/engine_port.AdapterPort) -----------------------------
     def version_of(self, name: str) -> str:

@@ -16,7 +16,13 @@ import zmq
 
 from rollout.config import EngineOptions
 from rollout.control import ControlCall
-from rollout.engine.control_calls import CALLS, FlushCache, GetServerInfo, Shutdown
+from rollout.engine.control_calls import (
+    CALLS,
+    READ_ONLY_CALLS,
+    FlushCache,
+    GetServerInfo,
+    Shutdown,
+)
 from rollout.engine.lora_calls import LORA_CALLS
 from rollout.engine.messages import (
     AbortRequest,
@@ -35,6 +41,8 @@ from rollout.engine.tp_setup import OtherRanks, join_group
 from rollout.engine.weight_sync_port import RanksPort, RunnerPort
 from rollout.errors import ControlError
 from rollout.forward.tensor_parallel import SINGLE, TPGroup
+from rollout.weight_sync.adapter_ranks import RankAdapters
+from rollout.weight_sync.adapter_update import AdapterUpdates
 from rollout.weight_sync.deferred import Deferred
 from rollout.weight_sync.rank_weights import RankWeights
 
@@ -89,6 +97,9 @@ class SchedulerProcess:
         self.weight_sync = WeightSyncController(port, options.weight_sync)
         self.deferred: list[tuple[int, Deferred]] = []  # (call_id, its pending reply)
         self.ranks: OtherRanks | None = None  # set by the caller when tp > 1
+        # The other ranks' rank_memory, asked again after a call that may change it: asking
+        # waits for their step in flight.
+        self.other_ranks_memory: list[dict] | None = None
         self.info = {
             "model_path": mopts.model_path,
             "architecture": (hf_config.architectures or ["?"])[0],
@@ -137,9 +148,9 @@ class SchedulerProcess:
         if isinstance(call, LORA_CALLS):
             return self.scheduler.lora_call(call)
         if isinstance(call, GetServerInfo):
-            ranks = [rank_memory(self.runner)]
-            if self.ranks is not None:
-                ranks += [reply.result for reply in self.ranks.call("rank_memory")]
+            if self.ranks is not None and self.other_ranks_memory is None:
+                self.other_ranks_memory = [r.result for r in self.ranks.call("rank_memory")]
+            ranks = [rank_memory(self.runner), *(self.other_ranks_memory or ())]
             info = {**self.info, **self.scheduler.server_info(), **self.weight_sync.info()}
             return {**info, "ranks": ranks}
         return self.weight_sync.run(call)
@@ -159,9 +170,16 @@ class SchedulerProcess:
             if call_id is None:
                 raise
             return self._failed(call_id, "reading a control call", e)
-        if not isinstance(request.call, AbortRequest):
+        if isinstance(request.call, READ_ONLY_CALLS):
+            # Answered from the state between steps; the step in flight runs on, unless it is
+            # the last (applying it then stalls nothing, and the caller sees the engine idle).
+            settle = not self.scheduler.has_requests()
+        else:
             # A control call sees no batch in flight, and that batch's outputs leave first:
             # stamped with the weight version that computed them.
+            settle = not isinstance(request.call, AbortRequest)
+            self.other_ranks_memory = None
+        if settle:
             self.scheduler.drain()
             self._send_outputs(send, self.scheduler.take_reports())
         return self.control(request)
@@ -200,6 +218,7 @@ class SchedulerProcess:
                 continue
             self.scheduler.drain()
             self._send_outputs(send, self.scheduler.take_reports())
+            self.other_ranks_memory = None
             try:
                 result = deferred.finish()
             except Exception as e:  # noqa: BLE001 - every failure must reach the caller
@@ -248,6 +267,8 @@ def run_scheduler_process(
         if tp.size > 1:
             proc.ranks = OtherRanks(ctx, addrs, proc.runner)
             proc.weight_sync.use_other_ranks(RanksPort(proc.ranks))
+            if proc.runner.lora is not None:  # adapters load on every rank, or on none
+                proc.runner.lora.use_other_ranks(RanksPort(proc.ranks))
         send.send_pyobj(SchedulerReady(proc.info))
         proc.loop(recv, send)
     except BaseException:  # noqa: BLE001 - every failure must reach the caller
@@ -274,7 +295,13 @@ def _follow(ctx: zmq.Context, options: EngineOptions, addrs: Addresses, rank: in
         options, tp = join_group(options, addrs, rank)
         runner, _, _ = build_runner(options, tp)
         weights = RankWeights(RunnerPort(runner), options.weight_sync, CALLS, tp.rank, tp.size)
-        handlers = {"rank_memory": lambda: rank_memory(runner), **weights.handlers()}
+        updates = AdapterUpdates(RunnerPort(runner), lambda: weights.local)
+        adapters = RankAdapters(updates, CALLS, tp.rank)
+        handlers = {
+            "rank_memory": lambda: rank_memory(runner),
+            **weights.handlers(),
+            **adapters.handlers(),
+        }
         Follower(runner, handlers).run(recv, replies)
     except BaseException:  # noqa: BLE001 - every failure must reach the caller
         report.send_pyobj(

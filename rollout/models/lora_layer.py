@@ -41,9 +41,15 @@ class LoraBatch:
         self.live_slots: tuple[int, ...] = ()  # slots holding an adapter (host copy)
         self._slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self._segments = None  # LoraSegments over max_tokens rows, once the kernels are used
+        self._rows = torch.arange(max_tokens, dtype=torch.int32, device=device)  # row indices
         self.slots = self._slots[:0]  # [T]: this forward's rows
         self.segments = None  # this forward's LoraSegments (kernel path)
         self.active = False  # False: no row of this forward uses an adapter; layers skip
+
+    @property
+    def max_tokens(self) -> int:
+        """Rows the persistent buffers hold (the largest batch a CUDA graph may replay)."""
+        return self._slots.shape[0]
 
     def prepare(self, token_slots: torch.Tensor, active: bool = True) -> None:
         """token_slots: [T] int, the slot of each row of the next forward (-1 base only), on
@@ -57,6 +63,30 @@ class LoraBatch:
         self.slots, self.active = slots, active
         if self.use_kernels:
             self.segments = self._build_segments(slots, persistent)
+
+    def pad_to(self, rows: int) -> None:
+        """Extends the prepared batch of T rows to `rows` (T <= rows <= max_tokens) with
+        base-only padding rows, in the persistent buffers: the layout a `prepare` of the T
+        rows followed by rows - T rows of -1 would give. A CUDA graph captured for `rows` rows
+        replays it; the padding rows' outputs are discarded, and they add no delta."""
+        t = self.slots.shape[0]
+        persistent = self.slots.data_ptr() == self._slots.data_ptr()
+        if not (persistent and t <= rows <= self._slots.shape[0]):
+            raise ValueError(
+                f"pad_to({rows}) needs a batch prepared in the persistent buffers of "
+                f"{self._slots.shape[0]} rows with at most {rows} rows; it has {t}"
+            )
+        self._slots[t:rows].fill_(-1)
+        self.slots = self._slots[:rows]
+        self.active = True
+        if self.use_kernels:
+            # Base-only rows sort last, in row order, and no block reads them: the padding
+            # rows go to the end of `order`, and every other index is as prepared.
+            full = self._segments
+            full.order[t:rows].copy_(self._rows[t:rows])
+            self.segments = kernel("lora_segments").LoraSegments(
+                full.order[:rows], full.seg_start, full.seg_len, full.block_end, full.block_m
+            )
 
     def prepare_requests(self, req_slots: Sequence[int], extend_lens: Sequence[int]) -> None:
         """The same from per-request slots and new-token counts (host lists, in batch order)."""
@@ -153,9 +183,11 @@ class LoraLayer:
 
     def _apply_torch(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # Each live slot over all rows, masked: no host sync and no data-dependent shapes,
-        # at the cost of computing every slot's delta for every row.
+        # at the cost of computing every slot's delta for every row. A CUDA graph replays
+        # whatever slots are loaded later: it computes them all.
         s, p, r, k = self.a.shape
-        for slot in self.batch.live_slots:
+        capturing = self.a.is_cuda and torch.cuda.is_current_stream_capturing()
+        for slot in range(s) if capturing else self.batch.live_slots:
             rows = (self.batch.slots == slot).to(x.dtype)[:, None]
             y = (x @ self.a[slot].reshape(p * r, k).T) * rows  # [T, P x R]
             for i, (first, size) in enumerate(self.part_rows):

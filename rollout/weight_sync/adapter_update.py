@@ -23,18 +23,24 @@ While generation is paused, updates are staged instead (copies of their tensors:
 reuse its buffers) and written together at continue_generation (or update_weight_version);
 discard_staged_weights drops them. A staged update that no longer fits at that point (its
 adapter was unloaded meanwhile) is dropped, and the reply says so.
+
+With tensor parallelism rank 0 runs this, and every other rank receives each update too
+(adapter_ranks.py): all of them take it in whole and check it before any writes its slices,
+so a refusal or a failed transfer on any rank changes no rank's adapter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from rollout.errors import InvalidRequest, RequestError
+from rollout.weight_sync.adapter_ranks import OtherRankAdapters
 from rollout.weight_sync.calls import (
     UpdateWeightsFromDisk,
     UpdateWeightsFromDistributed,
@@ -42,6 +48,7 @@ from rollout.weight_sync.calls import (
 )
 from rollout.weight_sync.engine_port import AdapterPort, EnginePort
 from rollout.weight_sync.local_update import LocalUpdates
+from rollout.weight_sync.rank_sync import OtherRanks
 from rollout.weight_sync.specs import WeightSpec
 
 logger = logging.getLogger(__name__)
@@ -64,6 +71,7 @@ class AdapterUpdates:
         self.engine = engine
         self._local = local
         self.staged: dict[str, _Staged] = {}  # adapter name -> its staged updates
+        self.others: OtherRankAdapters | None = None  # the other tensor-parallel ranks
 
     def _adapters(self, name: str) -> AdapterPort:
         adapters = self.engine.adapters
@@ -90,24 +98,51 @@ class AdapterUpdates:
 
         return check
 
+    def use_other_ranks(self, ranks: OtherRanks) -> None:
+        """With tensor parallelism (on rank 0): every rank receives each update and keeps
+        it, and writes its slices only once every rank has it (adapter_ranks.py)."""
+        self.others = OtherRankAdapters(ranks)
+
     # ---- the three sources ------------------------------------------------------------------
     def update(self, call: AdapterCall, staged: bool) -> Result:
         """Runs an update with call.lora_name: written and published now, or with `staged`
         (generation paused) kept until `commit`."""
         name = call.lora_name
         assert name is not None
-        local = self._local()
+        if self.others is None:
+            with self.received(call, keep=staged) as write:
+                return self._apply(name, write, call, staged)
+        update_id = self.others.start_load(call)
+        with contextlib.ExitStack() as stack:
+            try:
+                write = stack.enter_context(self.received(call, keep=staged))
+            except Exception:
+                self.others.abandon(update_id)
+                raise
+            self.others.check_loaded(update_id)
+            write = self.others.writing_everywhere(update_id, write)
+            return self._apply(name, write, call, staged)
+
+    @contextlib.contextmanager
+    def received(self, call: AdapterCall, keep: bool) -> Iterator[Callable[[AdapterPort], object]]:
+        """Checks and takes in the update of `call` whole, writing nothing; yields its write,
+        which may run within the block, or after it with `keep` (it then holds its own copies
+        of the values: the sender's buffers are only ours until its call returns)."""
+        name = call.lora_name
+        assert name is not None
         if isinstance(call, UpdateWeightsFromDisk):
             adapter = self._adapters(name).read(name, call.model_path, call.allowed_roots)
             path = call.model_path
-            return self._apply(name, lambda port: port.replace(name, adapter, path), call, staged)
+            yield lambda port: port.replace(name, adapter, path)
+            return
+        local = self._local()
         if isinstance(call, UpdateWeightsFromDistributed):
             update = local.distributed(call, self._check(name))
             named = list(update.tensors())  # every broadcast, before the first write
-            return self._apply(name, _values(name, named, staged), call, staged)
+            yield _values(name, named, keep=False)  # received into buffers of its own
+            return
         with local.tensor(call, self._check(name)) as update:
-            named = list(update.tensors())
-            return self._apply(name, _values(name, named, staged), call, staged)
+            yield _values(name, list(update.tensors()), keep)
 
     def _apply(
         self, name: str, write: Callable[[AdapterPort], object], call: AdapterCall, staged: bool
@@ -155,6 +190,8 @@ class AdapterUpdates:
                 if not written:
                     continue
             versions[name] = self.engine.publish_adapter_version(name, entry.version)
+        if dropped and self.others is not None:  # what the other ranks kept of them
+            self.others.drop_all()
         out: Result = {"lora_weight_versions": versions} if versions else {}
         if dropped:
             out["lora_updates_dropped"] = dropped
@@ -164,6 +201,8 @@ class AdapterUpdates:
         """Drops every staged update; how many there were."""
         count = sum(len(entry.writes) for entry in self.staged.values())
         self.staged = {}
+        if self.others is not None:
+            self.others.drop_all()
         return count
 
     def info(self) -> dict[str, int]:

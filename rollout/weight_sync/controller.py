@@ -100,6 +100,7 @@ class WeightSyncController:
         acts on `ranks` too, and every update commits on all ranks or on none."""
         self.others = OtherRankWeights(ranks)
         self.local = LocalUpdates(self.engine, self.groups, self._weights_released, 0, ranks.size)
+        self.adapters.use_other_ranks(ranks)
 
     def _weights_released(self) -> bool:
         return "weights" in self.memory.released

@@ -9,7 +9,7 @@ anything with the same methods (RolloutClient). Every push is one transaction on
 all weights or none.
 
 - tensor: tensors already in the engine's dtype on a GPU are sent as they are (their IPC
-  handles stay the same from step to step); others are packed into buckets that this sender
+  handles stay the same from step to step); an adapter's, and others, are packed into buckets that this sender
   keeps between steps (same buffers, same handles: the receiver doesn't reopen them). By
   default all buckets go in one call, so the trainer holds one packed copy; with
   `stream_buckets=True` one bucket buffer is reused call after call while generation is
@@ -179,7 +179,12 @@ class WeightSender:
         return result
 
     def _push_tensor(self, named: list, version: str | None) -> dict:
-        if all(t.is_cuda and t.dtype == self.dtype and t.is_contiguous() for _, t in named):
+        # An adapter is many small tensors: one kept bucket (one handle for the receiver to
+        # open) costs less than a handle per tensor, and its copy is a fraction of a model's.
+        as_is = self._lora is None and all(
+            t.is_cuda and t.dtype == self.dtype and t.is_contiguous() for _, t in named
+        )
+        if as_is:
             return self.target.update_weights_from_tensor(named, weight_version=version, **self._lora_kw())
         groups = self._bucket_groups(named)
         if not self.stream_buckets:
