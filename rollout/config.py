@@ -90,6 +90,13 @@ class KernelOptions:
     cuda_graph_max_bs: int = _opt(
         256, "largest decode batch replayed from a CUDA graph (capped by max_running_requests)"
     )
+    enable_deterministic_inference: bool = _opt(
+        False,
+        "batch-invariant kernels on the whole forward (GEMMs, norms, one attention kernel for "
+        "prefill and decode, sampling): a request's tokens and logprobs are the same bits "
+        "whatever else is batched, with or without the prefix cache, chunked prefill or CUDA "
+        "graphs; replaces the attention backend choice (also deterministic_inference=True)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("attention_backend", "decode_attention_backend"):
@@ -347,6 +354,7 @@ class EngineOptions:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineOptions:
         """Builds the options from flat keyword arguments; unknown names raise TypeError."""
+        kwargs = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
         parts: dict[str, dict[str, Any]] = {}
         for name, part_cls in _PARTS.items():
             names = {f.name for f in dataclasses.fields(part_cls)}
@@ -355,6 +363,9 @@ class EngineOptions:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
         return cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
 
+
+# Other names accepted for an option by from_kwargs.
+_ALIASES = {"deterministic_inference": "enable_deterministic_inference"}
 
 _PARTS = {
     "model": ModelOptions,

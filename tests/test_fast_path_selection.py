@@ -160,10 +160,12 @@ def test_cuda_graphs_where_the_backends_capture_up_to_the_smallest_bound(package
 
 
 def test_the_registry_says_what_each_backend_class_says_about_graphs():
+    from rollout.forward.attention.deterministic_backend import DeterministicAttentionBackend
     from rollout.forward.attention.torch_backend import TorchAttentionBackend
     from rollout.forward.attention.triton_backend import TritonAttentionBackend
 
     classes = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
+    classes["deterministic"] = DeterministicAttentionBackend
     classes["flashinfer"] = FlashInferAttentionBackend  # builds only where flashinfer imports
     for name, cls in classes.items():
         assert attention.BACKENDS[name].cuda_graph is cls.supports_cuda_graph, name
@@ -177,7 +179,7 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
         "fused_kernels": True, "skinny_gemm_max_rows": 16,
         "skinny_gemm_min_weight": SKINNY_MIN_WEIGHT,
         "cuda_graphs": True, "cuda_graph_max_bs": 256, "sampling_kernel": True,
-        "sampling_kernel_min_rows": 32,
+        "sampling_kernel_min_rows": 32, "deterministic_inference": False,
     }  # fmt: skip
     assert str(plan) == (
         "attention flashinfer, decode triton up to batch 32, fused kernels on, skinny GEMM up to "
@@ -265,6 +267,7 @@ def test_options_validate_backend_and_graph_size():
     assert routing == [
         "attention_backend", "decode_attention_backend", "triton_decode_max_batch",
         "skinny_gemm_max_rows", "disable_cuda_graph", "cuda_graph_max_bs",
+        "enable_deterministic_inference",
     ]  # fmt: skip
     assert set(routing) <= set(flat) and len(flat) == len(set(flat))
     with pytest.raises(ValueError, match="attention_backend must be one of"):

@@ -21,6 +21,11 @@ spread over the replicas, every push reaches all of them at once, and a replica 
 restarted with the trainer's current weights. On one GPU, give each replica its share of the
 memory: --replicas 2 --engine-option mem_fraction=0.4.
 
+With --parity the trainer scores rollouts with rollout.parity.ParityModel over the policy's own
+parameters, and the engine runs with enable_deterministic_inference: both run the same
+batch-invariant kernels, so the logprob gap is exactly 0 at every step (on a CPU the kernels
+run under Triton's interpreter, slowly: try --steps 3 --prompts-per-step 2 --n 4).
+
 With --lora-rank R the policy is a LoRA adapter of rank R trained with PEFT (lora_policy.py):
 the engine serves it as adapter "policy" and each step's push sends the adapter alone.
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from typing import Any
 
 import torch
@@ -81,13 +87,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ray-address", help="with --replicas: the Ray cluster to join (default: start one)"
     )
+    parser.add_argument(
+        "--parity", action="store_true",
+        help="score rollouts with the parity model (the engine's kernels, rollout.parity) and "
+        "generate with enable_deterministic_inference: a logprob gap of exactly 0",
+    )  # fmt: skip
     add_lora_arguments(parser)
     args = parser.parse_args(argv)
     if args.replicas < 0:
         raise SystemExit(f"--replicas must be >= 0, got {args.replicas}")
     check_lora_arguments(args, DEFAULTS["lr"])
     resolve_devices(args)
+    if args.parity:
+        check_parity_arguments(args)
     return args
+
+
+def check_parity_arguments(args: argparse.Namespace) -> None:
+    """--parity: the engine gets enable_deterministic_inference; the trainer must compute in
+    the engine's dtype on the engine's kind of device, or the bits cannot agree."""
+    if args.lora_rank:
+        raise SystemExit(
+            "--parity does not support --lora-rank (adapters are not batch-invariant yet)"
+        )
+    if args.trainer_dtype != args.dtype:
+        raise SystemExit(
+            f"--parity needs --trainer-dtype equal to --dtype, got {args.trainer_dtype} and {args.dtype}"
+        )
+    if str(args.trainer_device).split(":")[0] != str(args.device).split(":")[0]:
+        raise SystemExit(
+            f"--parity needs the trainer on the engine's kind of device, got {args.trainer_device} "
+            f"and {args.device}"
+        )
+    args.engine_option.append("enable_deterministic_inference=true")
+    if args.device == "cpu":  # the kernels run under Triton's interpreter, here and in the engine
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def ppo_clip_loss(
@@ -142,6 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
 def train(args: argparse.Namespace, engine: Any, policy: torch.nn.Module) -> dict:
     from rollout.weight_sync.sender import WeightSender
 
+    scorer = None
+    if args.parity:  # the trainer's forward on the engine's kernels, over the policy's parameters
+        from rollout.parity import ParityModel
+
+        scorer = ParityModel(policy)
+
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     sender = WeightSender(engine, method="tensor", bucket_bytes=args.bucket_mb << 20,
                           lora_name=getattr(engine, "lora_name", None))  # fmt: skip
@@ -157,7 +197,9 @@ def train(args: argparse.Namespace, engine: Any, policy: torch.nn.Module) -> dic
             batch = RolloutBatch.from_outputs(prompts, outputs, args.n, task.reward)
 
             version = f"step-{step + 1}"
-            stats = train_and_push(engine, sender, policy, optimizer, batch, token_loss, args, version)
+            stats = train_and_push(
+                engine, sender, policy, optimizer, batch, token_loss, args, version, scorer=scorer
+            )
             log.log(step + 1, {"rollout_tokens_per_s": batch.num_tokens / rollout_s, **stats})
     finally:
         sender.close()
@@ -167,14 +209,16 @@ def train(args: argparse.Namespace, engine: Any, policy: torch.nn.Module) -> dic
 def train_and_push(
     engine: Any, sender: Any, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
     batch: RolloutBatch, token_loss: Any, args: argparse.Namespace, version: str,
-    model: torch.nn.Module | None = None,
+    model: torch.nn.Module | None = None, scorer: torch.nn.Module | None = None,
 ) -> dict:  # fmt: skip
     """The training half of a step: the engine gives its memory back, the trainer measures the
-    logprob gap on the batch and optimizes `model` (default: the policy) on it, then the policy's
-    weights go to the engine as `version`. Returns the step's statistics."""
+    logprob gap on the batch and optimizes `model` (default: the scorer, else the policy) on it,
+    then the policy's weights go to the engine as `version`. `scorer` (default: the policy)
+    computes the trainer's logprobs: the parity model with --parity. Returns the step's
+    statistics."""
     engine.release_memory_occupation()  # the training phase has the device to itself
-    gap = logprob_gap(policy, batch, args.micro_batch, args.trainer_device)
-    stats = optimize(model or policy, optimizer, batch, token_loss, args)
+    gap = logprob_gap(scorer or policy, batch, args.micro_batch, args.trainer_device)
+    stats = optimize(model or scorer or policy, optimizer, batch, token_loss, args)
     sync_s = push_weights(engine, sender, policy, version)
     reward = batch.rewards.mean().item()
     return {"reward": reward, **gap, "weight_sync_s": sync_s, **stats}

@@ -191,7 +191,10 @@ def optimize(
 
 def token_logprobs(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
     """[B, L-1] log-probabilities the model gives each next token (float32, raw logits: no
-    temperature, as the engine reports them)."""
+    temperature, as the engine reports them). A model with its own padded_token_logprobs (the
+    parity model, rollout.parity) computes them as the engine does."""
+    if hasattr(model, "padded_token_logprobs"):
+        return model.padded_token_logprobs(batch.input_ids, batch.attention_mask)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logits = logits[:, :-1].float()  # [B, L-1, V]
     targets = batch.input_ids[:, 1:].unsqueeze(-1)  # [B, L-1, 1]

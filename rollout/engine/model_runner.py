@@ -85,14 +85,14 @@ class ModelRunner:
         self.last_token = torch.zeros(
             self.req_to_token.max_reqs, dtype=torch.int64, device=self.device
         )
-        self._init_attention(options, num_kv_heads, head_dim)
-        # The adapter slots: the layers add each row's adapter delta (enable_lora).
+        # The adapter slots: the layers add each row's adapter delta (enable_lora). Each
+        # tensor-parallel rank holds its slices of them. Made before any CUDA graph is
+        # captured: the graphs run the LoRA layers.
         self.lora: LoraManager | None = None
         if options.lora.enable_lora:
-            if tp.size > 1:
-                raise ValueError("enable_lora with tp_size > 1 is not supported yet")
             use_kernels = self.device.type == "cuda"
             self.lora = LoraManager(self.model, options.lora, use_kernels)
+        self._init_attention(options, num_kv_heads, head_dim)
         # The heads turn a step's final hidden states into its outputs.
         self.sampling_head = SamplingHead(eos_token_ids, self.last_token, self.kernel_plan)
         self.logprob_head = LogprobHead(self.device)
@@ -118,13 +118,15 @@ class ModelRunner:
             plan.attention_backend, shape, plan.decode_attention
         )
         use_fused_kernels(
-            self.model, plan.fused_kernels, plan.skinny_gemm_max_rows, plan.skinny_gemm_min_weight
+            self.model, plan.fused_kernels, plan.skinny_gemm_max_rows, plan.skinny_gemm_min_weight,
+            batch_invariant=plan.deterministic_inference,
         )
         self.graph_runner: CudaGraphRunner | None = None
         if plan.cuda_graphs:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.attn_backend, self.kv_pool, self.req_to_token.table,
                 plan.cuda_graph_max_bs, self.device,
+                None if self.lora is None else self.lora.slots.batch,
             )  # fmt: skip
 
     def _kv_slots(self, options: EngineOptions, layers: int, kv_heads: int, head_dim: int) -> int:

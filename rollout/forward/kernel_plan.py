@@ -53,6 +53,10 @@ class KernelPlan:
     cuda_graph_max_bs: int  # the largest batch replayed; 0 without graphs
     sampling_kernel: bool  # sampling on the Triton kernel ...
     sampling_kernel_min_rows: int  # ... for batches with filters from this many rows on
+    # Batch-invariant kernels throughout (enable_deterministic_inference): the batch-invariant
+    # GEMM in every linear layer and the LM head, the deterministic attention backend for
+    # every step, and torch's sampler (per row, whatever the batch: sampler.py) for every batch.
+    deterministic_inference: bool = False
 
     @property
     def decode_attention(self) -> DecodeChoice:
@@ -74,6 +78,7 @@ class KernelPlan:
         return (
             f"attention {self.attention_backend}, decode {self.decode_attention}, fused kernels "
             f"{fused}, skinny GEMM {skinny}, CUDA graphs {graphs}, sampling {sampling}"
+            + (", deterministic inference" if self.deterministic_inference else "")
         )
 
 
@@ -83,6 +88,8 @@ def resolve_kernel_plan(
     """The plan for `options` on `device` in `dtype` (the model's resolved dtype); raises
     ValueError, naming why, when an explicitly named backend cannot run here."""
     kopts = options.kernels
+    if kopts.enable_deterministic_inference:
+        return _deterministic_plan(options, device)
     extend = _attention_backend(kopts.attention_backend, device, dtype)
     decode = _decode_choice(
         kopts.decode_attention_backend, extend, device, dtype, kopts.triton_decode_max_batch
@@ -96,7 +103,6 @@ def resolve_kernel_plan(
         device.type == "cuda"
         and not kopts.disable_cuda_graph
         and not gloo_ranks
-        and not options.lora.enable_lora  # adapters run eagerly for now
         and attention.supports_cuda_graph(extend, decode)
     )
     max_bs = min(kopts.cuda_graph_max_bs, options.scheduler.max_running_requests)
@@ -111,6 +117,43 @@ def resolve_kernel_plan(
         cuda_graph_max_bs=min(max_bs, MAX_GRAPH_BATCH_SIZE) if graphs else 0,
         sampling_kernel=fused,
         sampling_kernel_min_rows=SAMPLING_KERNEL_MIN_ROWS,
+    )
+
+
+def _deterministic_plan(options: EngineOptions, device: torch.device) -> KernelPlan:
+    """The plan of enable_deterministic_inference: batch-invariant kernels on every step."""
+    kopts = options.kernels
+    asked = {"attention_backend": kopts.attention_backend,
+             "decode_attention_backend": kopts.decode_attention_backend}  # fmt: skip
+    for name, value in asked.items():
+        if value != "auto":
+            raise ValueError(
+                f"enable_deterministic_inference runs its own attention kernel; leave {name} "
+                f"auto, got {value!r}"
+            )
+    # Adapter deltas and tensor-parallel sums are not batch-invariant yet.
+    if options.lora.enable_lora:
+        raise ValueError("enable_deterministic_inference does not support enable_lora yet")
+    if options.parallel.tp_size > 1:
+        raise ValueError(
+            f"enable_deterministic_inference needs tp_size 1, got {options.parallel.tp_size}"
+        )
+    graphs = device.type == "cuda" and not kopts.disable_cuda_graph
+    max_bs = min(kopts.cuda_graph_max_bs, options.scheduler.max_running_requests)
+    return KernelPlan(
+        attention_backend="deterministic",
+        decode_backend="deterministic",
+        decode_max_batch=None,
+        fused_kernels=True,
+        skinny_gemm_max_rows=0,
+        skinny_gemm_min_weight=SKINNY_MIN_WEIGHT,
+        cuda_graphs=graphs,
+        cuda_graph_max_bs=min(max_bs, MAX_GRAPH_BATCH_SIZE) if graphs else 0,
+        # The kernel's passes follow the batch's filters (a row without top-p runs the top-p
+        # pass when another row has one); torch's sampler leaves such rows untouched.
+        sampling_kernel=False,
+        sampling_kernel_min_rows=SAMPLING_KERNEL_MIN_ROWS,
+        deterministic_inference=True,
     )
 
 

@@ -38,6 +38,7 @@ class FusedOps:
 
     fused = False
     skinny_rows = 0  # linear layers of at most this many rows run the skinny GEMM kernel
+    batch_invariant = False  # linear layers and the LM head run the batch-invariant GEMM
 
 
 def use_fused_kernels(
@@ -45,17 +46,20 @@ def use_fused_kernels(
     enabled: bool = True,
     skinny_rows: int = 0,
     skinny_min_weight: int = SKINNY_MIN_WEIGHT,
+    batch_invariant: bool = False,
 ) -> None:
     """Switches every block of `model` to (or back from) the Triton kernels. Outputs agree
     with the torch path to rounding; both paths round where HF's modules round. With
     `skinny_rows`, linear layers over at most that many tokens (a small decode batch) use
     rollout_kernels.skinny_gemm instead of torch's GEMM: those whose weight has at least
-    `skinny_min_weight` elements, and the LM head."""
+    `skinny_min_weight` elements, and the LM head. With `batch_invariant` (deterministic
+    inference), every linear layer and the LM head run rollout_kernels.batch_invariant_gemm."""
     for module in model.modules():
         if isinstance(module, FusedOps):
             small = isinstance(module, nn.Linear) and module.weight.numel() < skinny_min_weight
             module.fused = enabled
             module.skinny_rows = skinny_rows if enabled and not small else 0
+            module.batch_invariant = enabled and batch_invariant
 
 
 # The skinny GEMM's tiles: the best for three of Qwen2.5-7B's five projections at one row in
@@ -66,19 +70,28 @@ SKINNY_GEMM_TILES = {"block_n": 32, "block_k": 512, "num_warps": 4, "num_stages"
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny_rows: int = 0
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny_rows: int = 0,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """x: [T, in] -> [T, out], through the skinny GEMM kernel when 0 < T <= skinny_rows."""
+    """x: [T, in] -> [T, out], through the skinny GEMM kernel when 0 < T <= skinny_rows, through
+    the batch-invariant one with `invariant`."""
+    if invariant:
+        return kernel("batch_invariant_gemm").batch_invariant_linear(x, weight, bias)
     if 0 < x.shape[0] <= skinny_rows:
         return kernel("skinny_gemm").skinny_gemm(x, weight, bias, **SKINNY_GEMM_TILES)
     return F.linear(x, weight, bias)
 
 
-def logits_linear(x: torch.Tensor, weight: torch.Tensor, skinny_rows: int = 0) -> torch.Tensor:
+def logits_linear(
+    x: torch.Tensor, weight: torch.Tensor, skinny_rows: int = 0, invariant: bool = False
+) -> torch.Tensor:
     """The LM head: x [T, hidden] -> float32 logits [T, vocab]. On CUDA a 16-bit GEMM writes
     float32 directly (torch.mm's out_dtype): no rounding of the logits to 16 bits, and no
     second pass over [T, vocab] to widen them, which costs most at many rows of a large
     vocabulary (benchmarks/RESULTS.md, sixth session)."""
+    if invariant:
+        gemm = kernel("batch_invariant_gemm")
+        return gemm.batch_invariant_linear(x, weight, out_dtype=torch.float32)
     skinny = 0 < x.shape[0] <= skinny_rows
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not skinny:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
@@ -93,7 +106,7 @@ class Linear(FusedOps, nn.Linear):
     lora = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias, self.skinny_rows)
+        out = linear(x, self.weight, self.bias, self.skinny_rows, self.batch_invariant)
         return out if self.lora is None else self.lora.apply(x, out)
 
 
@@ -221,7 +234,7 @@ class RowParallelLinear(Linear):
         if self.tp.size == 1:
             return super().forward(x)
         bias = self.bias if self.tp.rank == 0 else None
-        out = linear(x, self.weight, bias, self.skinny_rows)
+        out = linear(x, self.weight, bias, self.skinny_rows, self.batch_invariant)
         if self.lora is not None:  # this rank's partial delta, summed with the base partials
             self.lora.apply(x, out)
         return self.tp.all_reduce(out)

@@ -200,7 +200,9 @@ class LlamaForCausalLM(FusedOps, nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32, the whole vocabulary on every rank."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_logits(hidden, weight, self.config.vocab_size, self.tp, self.skinny_rows)
+        return vocab_logits(
+            hidden, weight, self.config.vocab_size, self.tp, self.skinny_rows, self.batch_invariant
+        )
 
     def hf_param_shapes(
         self, local: bool = False

@@ -50,11 +50,12 @@ class ParallelLMHead(nn.Module):
 
 
 def vocab_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, vocab: int, tp: TPGroup, skinny_rows: int = 0
+    hidden: torch.Tensor, weight: torch.Tensor, vocab: int, tp: TPGroup, skinny_rows: int = 0,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """hidden: [N, hidden] (the same on every rank), weight: this rank's vocabulary rows ->
     the full float32 logits [N, vocab] on every rank."""
-    logits = logits_linear(hidden, weight, skinny_rows)
+    logits = logits_linear(hidden, weight, skinny_rows, invariant)
     if tp.size == 1:
         return logits
     full = tp.all_gather(logits, dim=-1)  # [N, size * rows]

@@ -51,12 +51,20 @@ def _triton(shape: AttentionShape) -> AttentionBackend:
     return TritonAttentionBackend(shape)
 
 
+def _deterministic(shape: AttentionShape) -> AttentionBackend:
+    from rollout.forward.attention.deterministic_backend import DeterministicAttentionBackend
+
+    return DeterministicAttentionBackend(shape)
+
+
 BACKENDS: dict[str, BackendEntry] = {
     "torch": BackendEntry(_torch),
     "flashinfer": BackendEntry(
         _flashinfer, package="flashinfer", gpu_only=True, dtypes=HALF_DTYPES, cuda_graph=True
     ),
     "triton": BackendEntry(_triton, package="triton", gpu_only=True, cuda_graph=True),
+    # Chosen by enable_deterministic_inference only; on the CPU under TRITON_INTERPRET=1.
+    "deterministic": BackendEntry(_deterministic, package="triton", cuda_graph=True),
 }
 
 
