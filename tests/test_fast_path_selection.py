@@ -397,3 +397,17 @@ def test_server_info_reports_the_plan_the_engine_runs(tiny_qwen3):
     assert info["kernel_plan"]["attention_backend"] == "torch"
     assert not info["kernel_plan"]["cuda_graphs"] and not info["kernel_plan"]["fused_kernels"]
     assert (info["attention_backend"], info["decode_attention"]) == ("torch", "torch")
+
+
+def test_graph_rows_hold_the_batch_then_padding_at_fixed_addresses():
+    from rollout.forward.attention.base import AttentionShape, GraphRows
+
+    shape = AttentionShape(2, 1, 8, 1.0, torch.float32, torch.device("cpu"), 4, 16)
+    rows = GraphRows(shape)
+    seq_lens, req_rows = rows.fill(4, _batch(ForwardMode.DECODE, [5, 7, 9]))
+    assert seq_lens.tolist() == [5, 7, 9, 0] and req_rows.tolist() == [0, 1, 2, 0]
+    # A later, smaller batch replays the same graph: what the last one left is padded over.
+    again, _ = rows.fill(4, _batch(ForwardMode.DECODE, [3]))
+    assert again.tolist() == [3, 0, 0, 0] and again.data_ptr() == seq_lens.data_ptr()
+    with pytest.raises(ValueError, match="exceeds max_batch_size 4"):
+        rows.fill(5, None)

@@ -37,6 +37,33 @@ class AttentionShape:
         return self.dtype if self.kv_dtype is None else self.kv_dtype
 
 
+class GraphRows:
+    """Fixed-address seq_lens and req_to_token rows for the paged Triton kernels under CUDA
+    graphs: a replay reads the first padded_batch_size entries, the real requests' and then
+    padding rows of 0 keys (the kernels read no KV for them and write zeros)."""
+
+    def __init__(self, shape: AttentionShape) -> None:
+        n, device = shape.max_batch_size, shape.device
+        self.seq_lens = torch.zeros(n, dtype=torch.int64, device=device)
+        self.req_rows = torch.zeros(n, dtype=torch.int64, device=device)
+
+    def fill(
+        self, padded_batch_size: int, fb: ForwardBatch | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes fb's requests (None: none, at capture) and the padding; returns the views
+        (seq_lens, req_rows) of padded_batch_size entries."""
+        n = self.seq_lens.shape[0]
+        if padded_batch_size > n:
+            raise ValueError(f"graph batch size {padded_batch_size} exceeds max_batch_size {n}")
+        real = 0 if fb is None else fb.batch_size
+        if fb is not None:
+            self.seq_lens[:real].copy_(fb.seq_lens)
+            self.req_rows[:real].copy_(fb.req_pool_indices)
+        self.seq_lens[real:padded_batch_size].zero_()
+        self.req_rows[real:padded_batch_size].zero_()
+        return self.seq_lens[:padded_batch_size], self.req_rows[:padded_batch_size]
+
+
 class AttentionBackend(ABC):
     # Backends whose decode can be captured in a CUDA graph set this and implement prepare_graph.
     supports_cuda_graph = False

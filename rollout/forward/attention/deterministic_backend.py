@@ -13,7 +13,12 @@ import os
 
 import torch
 
-from rollout.forward.attention.base import Attention, AttentionBackend, AttentionShape
+from rollout.forward.attention.base import (
+    Attention,
+    AttentionBackend,
+    AttentionShape,
+    GraphRows,
+)
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout_kernels.deterministic_attention import deterministic_attention
 from rollout_kernels.kv_store import store_kv
@@ -34,8 +39,7 @@ class DeterministicAttentionBackend(AttentionBackend):
         # A decode's rows: request b's one new token is row b. Fixed addresses for the graphs.
         self._rows = torch.arange(n, dtype=torch.int64, device=device)
         self._ones = torch.ones(n, dtype=torch.int64, device=device)
-        self._graph_seq_lens = torch.zeros(n, dtype=torch.int64, device=device)
-        self._graph_req_rows = torch.zeros(n, dtype=torch.int64, device=device)
+        self._graph_rows = GraphRows(shape)
         # What the next forward's kernels read: fb's own tensors, or the buffers above.
         self.seq_lens: torch.Tensor | None = None  # [B] int64
         self.req_rows: torch.Tensor | None = None  # [B] int64 rows of req_to_token
@@ -55,18 +59,7 @@ class DeterministicAttentionBackend(AttentionBackend):
 
     def prepare_graph(self, padded_batch_size: int, fb: ForwardBatch | None) -> None:
         """Padding rows get 0 keys: the kernel writes zeros for them and reads no KV."""
-        if padded_batch_size > self._rows.shape[0]:
-            raise ValueError(
-                f"graph batch size {padded_batch_size} exceeds max_batch_size {self.shape.max_batch_size}"
-            )
-        real = 0 if fb is None else fb.batch_size
-        if fb is not None:
-            self._graph_seq_lens[:real].copy_(fb.seq_lens)
-            self._graph_req_rows[:real].copy_(fb.req_pool_indices)
-        self._graph_seq_lens[real:padded_batch_size].zero_()
-        self._graph_req_rows[real:padded_batch_size].zero_()
-        self.seq_lens = self._graph_seq_lens[:padded_batch_size]
-        self.req_rows = self._graph_req_rows[:padded_batch_size]
+        self.seq_lens, self.req_rows = self._graph_rows.fill(padded_batch_size, fb)
         self.extend_lens = self._ones[:padded_batch_size]
         self.extend_starts = self._rows[:padded_batch_size]
         self.max_extend_len = 1

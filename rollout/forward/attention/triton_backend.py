@@ -12,7 +12,12 @@ import os
 
 import torch
 
-from rollout.forward.attention.base import Attention, AttentionBackend, AttentionShape
+from rollout.forward.attention.base import (
+    Attention,
+    AttentionBackend,
+    AttentionShape,
+    GraphRows,
+)
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout_kernels.decode_attention import choose_num_splits, decode_attention
 from rollout_kernels.extend_attention import extend_attention
@@ -34,8 +39,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.seq_lens: torch.Tensor | None = None  # [B] int64
         self.req_rows: torch.Tensor | None = None  # [B] int64 rows of req_to_token
         self.num_splits = 1
-        self._graph_seq_lens: torch.Tensor | None = None
-        self._graph_req_rows: torch.Tensor | None = None
+        self._graph_rows: GraphRows | None = None  # made at the first capture
 
     def prepare(self, fb: ForwardBatch) -> None:
         self.seq_lens, self.req_rows = fb.seq_lens, fb.req_pool_indices
@@ -47,22 +51,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prepare_graph(self, padded_batch_size: int, fb: ForwardBatch | None) -> None:
         """Padding rows get 0 keys: the decode kernel writes zeros for them and reads no KV."""
-        if self._graph_seq_lens is None:
-            n, dev = self.shape.max_batch_size, self.shape.device
-            self._graph_seq_lens = torch.zeros(n, dtype=torch.int64, device=dev)
-            self._graph_req_rows = torch.zeros(n, dtype=torch.int64, device=dev)
-        if padded_batch_size > self._graph_seq_lens.shape[0]:
-            raise ValueError(
-                f"graph batch size {padded_batch_size} exceeds max_batch_size {self.shape.max_batch_size}"
-            )
-        real = 0 if fb is None else fb.batch_size
-        if fb is not None:
-            self._graph_seq_lens[:real].copy_(fb.seq_lens)
-            self._graph_req_rows[:real].copy_(fb.req_pool_indices)
-        self._graph_seq_lens[real:padded_batch_size].zero_()
-        self._graph_req_rows[real:padded_batch_size].zero_()
-        self.seq_lens = self._graph_seq_lens[:padded_batch_size]
-        self.req_rows = self._graph_req_rows[:padded_batch_size]
+        if self._graph_rows is None:
+            self._graph_rows = GraphRows(self.shape)
+        self.seq_lens, self.req_rows = self._graph_rows.fill(padded_batch_size, fb)
         # Fixed: the graph replays the launch shape it captured, for any length (each request
         # is still cut by its own length, as in an eager step).
         self.num_splits = choose_num_splits(self.shape.max_context_len)
