@@ -83,6 +83,14 @@ class LaunchedStep:
             for row, token in zip(self.rows, host["tokens"]):
                 self.outs[row.req].next_token = token
             return self.outs
+        rows = len(self.rows)
+        if host.keys() == {"tokens", "chosen"} and len(host["tokens"]) == len(host["chosen"]) == rows:
+            # A sampled token and its logprob per row (an RL trainer's decode): the same with
+            # one more field, and no top-k, named ids or prompt rows.
+            for row, token, logprob in zip(self.rows, host["tokens"], host["chosen"]):
+                out = self.outs[row.req]
+                out.next_token, out.token_logprob = token, (logprob, token)
+            return self.outs
         tokens, pooled, hidden = (iter(host.get(n, ())) for n in ("tokens", "pooled", "hidden"))
         chosen, id_logprobs = iter(host.get("chosen", ())), iter(host.get("id_logprobs", ()))
         top_values, top_ids = iter(host.get("top_values", ())), iter(host.get("top_ids", ()))
