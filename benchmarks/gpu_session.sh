@@ -27,10 +27,19 @@ fi
 date -u +%Y-%m-%dT%H:%MZ
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, flashinfer; print('torch', torch.__version__, 'transformers', transformers.__version__, 'flashinfer', flashinfer.__version__)"
-GPU_TESTS=${GPU_TESTS:-tests/test_gpu_fast_path.py tests/test_gpu_engine.py tests/test_sampler.py}
+# The GPU tests: the files with CUDA cases. Each test may take PER_TEST_TIMEOUT seconds (a fresh
+# machine compiles FlashInfer modules for the tiny checkpoints' head dims in the first ones);
+# the verbose log goes to $OUT/gpu-tests.log.
+GPU_TESTS=${GPU_TESTS:-tests/test_gpu_engine.py tests/test_gpu_fast_path.py tests/test_gpu_lora.py \
+  tests/kernels tests/test_sampler.py tests/test_sampling_edges.py tests/test_logit_bias.py \
+  tests/test_deterministic_inference.py tests/test_parity_model.py tests/test_control_no_stall.py \
+  tests/test_weight_sync_gpu.py tests/test_weight_group_join.py tests/test_req_to_token.py}
 if [ "$GPU_TESTS" != none ]; then
   SECONDS=0
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q $GPU_TESTS 2>&1 | tail -n 25
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -p no:cacheprovider --durations=15 \
+    --timeout "${PER_TEST_TIMEOUT:-240}" $GPU_TESTS > "$OUT/gpu-tests.log" 2>&1
+  grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/gpu-tests.log" | grep -v PASSED | tail -n 30
+  tail -n 20 "$OUT/gpu-tests.log"
   echo "GPU tests took ${SECONDS}s"
 fi
 save_jit_cache() {
@@ -44,7 +53,7 @@ for spec in "$@"; do
   set -- $spec
   name=$1
   shift
-  echo "== bench_$name $*"
+  echo "== $(date -u +%H:%M:%S) bench_$name $*"
   timeout "${BENCH_TIMEOUT:-300}" python3 "benchmarks/bench_$name.py" "$@" 2>&1 | grep -v "^\s*$" | tail -n 8 | tee -a "$OUT/bench.jsonl"
 done
 save_jit_cache
