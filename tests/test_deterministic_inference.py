@@ -162,6 +162,18 @@ def test_the_plan_reports_the_mode_and_refuses_what_it_cannot_keep(tiny_qwen3):
             resolve_kernel_plan(options, dev, torch.float32)
 
 
+def test_without_triton_the_mode_is_refused_by_name(tiny_qwen3, monkeypatch):
+    from rollout.forward import kernel_plan
+
+    real = kernel_plan.importlib.util.find_spec
+    monkeypatch.setattr(
+        kernel_plan.importlib.util, "find_spec", lambda name: None if name == "triton" else real(name)
+    )
+    options = EngineOptions.from_kwargs(model_path=tiny_qwen3, enable_deterministic_inference=True)
+    with pytest.raises(ValueError, match="pip install triton"):
+        resolve_kernel_plan(options, torch.device(DEVICE), torch.float32)
+
+
 def test_the_server_flag_turns_the_mode_on():
     from rollout.server.launch import build_parser
 

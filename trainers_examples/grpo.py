@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 from typing import Any
 
@@ -119,6 +120,8 @@ def check_parity_arguments(args: argparse.Namespace) -> None:
             f"--parity needs the trainer on the engine's kind of device, got {args.trainer_device} "
             f"and {args.device}"
         )
+    if importlib.util.find_spec("triton") is None:
+        raise SystemExit("--parity runs the engine's Triton kernels in the trainer too: pip install triton")
     args.engine_option.append("enable_deterministic_inference=true")
     if args.device == "cpu":  # the kernels run under Triton's interpreter, here and in the engine
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -10,6 +10,7 @@ by get_server_info as `kernel_plan`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +132,11 @@ def _deterministic_plan(options: EngineOptions, device: torch.device) -> KernelP
                 f"enable_deterministic_inference runs its own attention kernel; leave {name} "
                 f"auto, got {value!r}"
             )
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(
+            "enable_deterministic_inference runs Triton kernels (under TRITON_INTERPRET=1 on a "
+            "CPU): pip install triton"
+        )
     # Adapter deltas and tensor-parallel sums are not batch-invariant yet.
     if options.lora.enable_lora:
         raise ValueError("enable_deterministic_inference does not support enable_lora yet")
