@@ -120,7 +120,9 @@ class RolloutPool(ControlAPI):
             self.options, self.info, self.tokenizer, self.limits = setup
             self.is_classifier = pool_setup.is_classifier(model_path)
             self.source = opts.make_source(infos[0])
-            self.weights = PoolWeights(self.supervisor, self.source)
+            adapter_sources = opts.make_adapter_sources(infos[0])
+            self.weights = PoolWeights(self.supervisor, self.source, adapter_sources)
+            self.weights.restores_adapters = True
             self.adapters = PoolAdapters(self.supervisor, self.weights)
             self.supervisor.restore = self._restore
             self.dispatcher = Dispatcher(self.supervisor, self.router, opts.wait_for_replica_s)
@@ -160,9 +162,9 @@ class RolloutPool(ControlAPI):
         return await asyncio.wrap_future(self._workers.submit(fn, *args, **kwargs))
 
     async def _restore(self, i: int) -> None:
-        """A restarted replica i gets the pool's weights and version, then its adapters."""
+        """A restarted replica i gets the pool's weights and version, then its adapters with
+        their current values (weights.py, adapter_source.py)."""
         await self.weights.restore(i)
-        await self.adapters.restore(i)
 
     # ---- sessions: each on one replica, where its turns' KV stays --------------------------
     def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:
@@ -217,12 +219,10 @@ class RolloutPool(ControlAPI):
         lora_name: str | None = None,
     ) -> dict:  # fmt: skip
         """Shares the tensors once (CUDA IPC or shared memory: the replicas must be on this
-        node) and has every replica load them. The pool keeps a CPU copy (see
-        weight_source.py) unless keep_tensor_snapshot=False. Adapter updates (lora_name) and
-        SGLang's serialized payloads go to single engines, not yet through a pool."""
+        node) and has every replica load them (with lora_name: new values of that adapter).
+        The pool keeps a CPU copy (see weight_source.py, adapter_source.py) unless
+        keep_tensor_snapshot=False. SGLang's serialized payloads go to single engines only."""
         self._check_open()
-        if lora_name is not None:
-            raise InvalidRequest("LoRA adapter updates through a pool are not supported yet")
         snapshot = (
             None if isinstance(named_tensors, TensorHandles) else (lambda: _pairs(named_tensors))
         )
@@ -234,6 +234,8 @@ class RolloutPool(ControlAPI):
                     "or TensorHandles"
                 )
             kwargs = {"load_format": load_format, "flush_cache": flush_cache}
+            if lora_name is not None:
+                kwargs["lora_name"] = lora_name
             method = call.method
             return self._call(
                 self.weights.update(

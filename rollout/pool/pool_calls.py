@@ -13,7 +13,6 @@ from dataclasses import fields
 from typing import Any
 
 from rollout.control import ControlCall
-from rollout.errors import InvalidRequest
 from rollout.pool.adapters import PoolAdapters
 from rollout.pool.dispatch import Dispatcher
 from rollout.pool.server_info import merge_info
@@ -35,8 +34,8 @@ class PoolCalls:
         args = {f.name: getattr(call, f.name) for f in fields(call)}
         method, weights = call.method, self.weights
         if method in UPDATES:
-            if args.pop("lora_name", None) is not None:
-                raise InvalidRequest("LoRA adapter updates through a pool are not supported yet")
+            if args.get("lora_name") is None:
+                args.pop("lora_name", None)
             version = args.pop("weight_version")
             positional = (args.pop("model_path"),) if "model_path" in args else ()
             return await weights.update(method, positional, args, version)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.config import EngineOptions
+from rollout.pool.adapter_source import AdapterSources
 from rollout.pool.router import Router
 from rollout.pool.weight_source import WeightSource
 from rollout.weight_sync.specs import parse_dtype
@@ -28,6 +29,9 @@ class PoolOptions:
     # updates; a callable returning the trainer's current weights (after distributed updates).
     keep_tensor_snapshot: bool = True
     restore_weights: Callable[[], Any] | None = None
+    # The same for a LoRA adapter after distributed updates of it (adapter_source.py): called
+    # with the adapter's name, returns its current values (a PEFT model, or PEFT name -> tensor).
+    restore_adapter: Callable[[str], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.health_check_s < 0 or self.wait_for_replica_s < 0 or self.max_restarts < 0:
@@ -47,6 +51,12 @@ class PoolOptions:
             info["weight_version"], parse_dtype(info["dtype"]), self.keep_tensor_snapshot,
             self.restore_weights,
         )  # fmt: skip
+
+    def make_adapter_sources(self, info: dict[str, Any]) -> AdapterSources:
+        """The adapters the replicas load at start (lora_paths), with their labels."""
+        sources = AdapterSources(self.restore_adapter)
+        sources.started_with(dict(info.get("lora_weight_versions") or {}))
+        return sources
 
 
 def describe(

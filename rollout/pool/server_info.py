@@ -26,9 +26,34 @@ def merge_info(
         if values:
             base[key] = sum(values)
     base["kv_whole"] = all(info.get("kv_whole", True) for info in answered)
+    serving = [
+        info for info, s in zip(infos, states) if info is not None and s["state"] == "serving"
+    ]
+    base.update(_adapter_versions(serving))
     base.pop("ranks", None)
     base["replicas"] = [
         {**state, "routing": route, "info": info}
         for state, route, info in zip(states, routing, infos)
     ]
     return {**base, **pool}
+
+
+def _adapter_versions(infos: list[dict]) -> dict[str, Any]:
+    """lora_weight_versions: each adapter's label where every serving replica reports the same
+    one; an adapter they disagree on (only while one is being brought up to date) is left out
+    of it and listed, one label per serving replica, under lora_weight_versions_differ."""
+    reported = [info["lora_weight_versions"] for info in infos if "lora_weight_versions" in info]
+    if not reported:
+        return {}
+    names = {name for versions in reported for name in versions}
+    agreed, differ = {}, {}
+    for name in sorted(names):
+        labels = [versions.get(name) for versions in reported]
+        if len(set(labels)) == 1:
+            agreed[name] = labels[0]
+        else:
+            differ[name] = labels
+    return {
+        "lora_weight_versions": agreed,
+        **({"lora_weight_versions_differ": differ} if differ else {}),
+    }

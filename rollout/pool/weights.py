@@ -11,20 +11,25 @@ A weight update reaches every replica or none keeps it:
 A replica that cannot drop its staged update, or that fails to apply it at continue, is
 restarted and given the pool's current weights (see restore).
 
-Calls made while the pool is paused (pause_generation) stage the same way and apply at the
-pool's continue_generation. Every update runs under one lock, which a restarting replica's
-restore takes too, so that it never misses an update nor sees half of one.
+An update with lora_name (new values of a loaded LoRA adapter) takes the same path, under
+the adapter's own label; the pool remembers where its values can be had again
+(adapter_source.py). Calls made while the pool is paused (pause_generation) stage the same way
+and apply at the pool's continue_generation. Every update runs under one lock, which a
+restarting replica's restore takes too, so that it never misses an update nor sees half of
+one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rollout.errors import InvalidRequest, RequestError, WeightSyncError
-from rollout.pool.replica import ReplicaDead
+from rollout.pool.adapter_source import AdapterSources
+from rollout.pool.replica import Replica, ReplicaDead
 from rollout.pool.supervisor import StaleWeights, Supervisor
 from rollout.pool.weight_source import Snapshot, WeightSource
 
@@ -39,9 +44,15 @@ class Group:
 
 
 class PoolWeights:
-    def __init__(self, supervisor: Supervisor, source: WeightSource) -> None:
+    def __init__(
+        self, supervisor: Supervisor, source: WeightSource,
+        adapters: AdapterSources | None = None,
+    ) -> None:  # fmt: skip
         self.sup = supervisor
         self.source = source  # what restores a restarted replica, and the version labels
+        self.adapters = adapters or AdapterSources()  # the same, per LoRA adapter
+        # Set by the pool: also restores adapters (loads, values) on a replica brought up.
+        self.restores_adapters = False
         self.lock = asyncio.Lock()
         self.paused: str | None = None  # the pool's own pause mode, set by pause_generation
         self.staged_version: str | None = None  # staged while the pool is paused
@@ -63,39 +74,67 @@ class PoolWeights:
             if not targets:
                 raise WeightSyncError(f"no replica to update ({self.sup.describe()})")
             # While paused, an unnamed update joins the label of those staged before it.
-            label = version or self.staged_version or self.source.next_label(None)
+            lora = kwargs.get("lora_name")
+            if lora is not None:  # an adapter's own label (adapter_source.py)
+                label = self.adapters.next_label(lora, version)
+            else:
+                label = version or self.staged_version or self.source.next_label(None)
             kwargs = {**kwargs, "weight_version": label}
             await self._staged(targets, method, args, kwargs)
             update = (method, args, kwargs, label, self.source.capture(method, args, snapshot))
             if self.paused is not None:
-                self.staged_version = label
+                if lora is not None:
+                    self.adapters.staged[lora] = label
+                else:
+                    self.staged_version = label
                 self.pending.append(update)
-                return self._result(method, targets, label)
-            await self._commit(targets, label)
-            self.source.record(*update)
+                return self._result(method, targets, label, lora)
+            if lora is not None:
+                await self._commit(targets, None, {lora: label})
+            else:
+                await self._commit(targets, label)
+            self._record(update, label)
             await self._refresh_stale()
-            return self._result(method, targets, label)
+            return self._result(method, targets, label, lora)
 
-    def _result(self, method: str, targets: list[int], label: str) -> dict:
+    def _result(self, method: str, targets: list[int], label: str, lora: str | None) -> dict:
         staged = {"staged": True} if self.paused is not None else {}
+        adapter = {"lora_name": lora} if lora is not None else {}
         message = f"{method} on {len(targets)} replicas"
-        result = {"success": True, "message": message, "weight_version": label}
+        result = {"success": True, "message": message, "weight_version": label, **adapter}
         return {**result, "replicas": len(targets), **staged}
 
-    def _applied(self, label: str) -> None:
-        """The updates staged while the pool was paused now serve, under `label`."""
-        for method, args, kwargs, _, copied in self.pending:
+    def _record(self, update: tuple, label: str) -> None:
+        """`update` now serves on every replica, as `label`."""
+        method, args, kwargs, _, copied = update
+        lora = kwargs.get("lora_name")
+        if lora is None:
             self.source.record(method, args, kwargs, label, copied)
+        else:
+            self.adapters.record(lora, method, args, kwargs, label, copied)
+
+    def _applied(self, label: str | None) -> None:
+        """The updates staged while the pool was paused now serve: the base model's under
+        `label`, each adapter's under the last label staged for it (one unloaded meanwhile
+        was dropped by every replica)."""
+        for update in self.pending:
+            lora = update[2].get("lora_name")
+            if lora is None and label is not None:
+                self._record(update, label)
+            elif lora in self.adapters.staged:
+                self._record(update, self.adapters.staged[lora])
         self.pending.clear()
         self.staged_version = None
-        self.source.relabel(label)
+        self.adapters.staged.clear()
+        if label is not None:
+            self.source.relabel(label)
 
     async def _refresh_stale(self) -> None:
         """Stale replicas (restarted when the pool had no copy of its weights) get them now,
         if this update gave the pool a copy of everything."""
         for i in self.sup.stale():
             try:
-                await self.source.restore(self.sup.replicas[i])
+                await self._bring_up(self.sup.replicas[i])
             except StaleWeights:
                 continue
             except ReplicaDead as e:
@@ -115,6 +154,8 @@ class PoolWeights:
         if not failed:
             return
         kept = [i for i in targets if i not in failed]
+        if not own_pause:  # a refused adapter update leaves what was staged before it
+            kept += [i for i, e in failed.items() if not isinstance(e, ReplicaDead)]
         dropped = await asyncio.gather(
             *(self.sup.replicas[i].call("discard_staged_weights") for i in kept),
             return_exceptions=True,
@@ -132,17 +173,25 @@ class PoolWeights:
             what = "every update staged since the pause was"
             self.pending.clear()
             self.staged_version = None
-        version = self.source.version
-        dropped = f"{what} dropped on every replica: the pool serves {version!r} as before"
+            self.adapters.staged.clear()
+        lora = kwargs.get("lora_name")
+        version = self.source.version if lora is None else self.adapters.next_label(lora, None)
+        serves = f"LoRA adapter {lora!r}'s" if lora is not None else "the pool serves"
+        dropped = f"{what} dropped on every replica: {serves} {version!r} as before"
         raise _refusal(failed, self.sup, dropped)
 
-    async def _commit(self, targets: list[int], label: str) -> None:
+    async def _commit(
+        self, targets: list[int], label: str | None, adapters: dict[str, str] | None = None
+    ) -> None:
+        """Continues `targets`, which apply what they staged: the base model's weights as
+        `label` (None: none staged) and each adapter of `adapters` as its label."""
         results = await self._continue(targets)
         for i, result in zip(targets, results):
-            if isinstance(result, BaseException) or result.get("weight_version") != label:
+            if not _applied_as(result, label, adapters or {}):
                 # It rolled back at apply time while the others applied: start it afresh with
                 # the new weights rather than serve two versions.
-                self.sup.mark_dead(i, f"failed to apply the update {label!r}: {result}")
+                what = label if label is not None else adapters
+                self.sup.mark_dead(i, f"failed to apply the update {what!r}: {result}")
 
     async def _continue(self, targets: list[int]) -> list:
         return await asyncio.gather(
@@ -218,10 +267,11 @@ class PoolWeights:
     # ---- pause, memory, versions, cache ---------------------------------------------------------
     async def fan_out(
         self, method: str, *args: Any, among: list[int] | None = None,
-        undo: Call | None = None, **kwargs: Any,
+        undo: Call | None = None, after_undo: Callable[[list[int]], Awaitable[None]] | None = None,
+        **kwargs: Any,
     ) -> list:  # fmt: skip
         """`method` on every replica that is up (or `among`); on any failure, the undo of
-        `method` (`undo`, else UNDO's) on those that did it, then
+        `method` (`undo`, else UNDO's) on those that did it, then `after_undo` of them, then
         the first failure is raised."""
         targets = self.sup.up() if among is None else among
         results = await asyncio.gather(
@@ -239,6 +289,8 @@ class PoolWeights:
                 *(self.sup.replicas[i].call(back, *back_args, **back_kwargs) for i in done),
                 return_exceptions=True,
             )
+            if after_undo is not None:
+                await after_undo(done)
         for i, e in failed.items():
             if isinstance(e, ReplicaDead):
                 self.sup.mark_dead(i, str(e))
@@ -256,12 +308,14 @@ class PoolWeights:
             targets = self.sup.up()
             staged = self.staged_version
             self.paused = None
-            if staged is not None:
-                await self._commit(targets, staged)
+            if self.pending:
+                await self._commit(targets, staged, dict(self.adapters.staged))
+                adapters = dict(self.adapters.staged)
                 self._applied(staged)
                 await self._refresh_stale()
-                message = "generation continues"
-                return {"success": True, "message": message, "weight_version": staged}
+                out = {"success": True, "message": "generation continues"}
+                out.update({"weight_version": staged} if staged is not None else {})
+                return {**out, **({"lora_weight_versions": adapters} if adapters else {})}
             await self.fan_out("continue_generation", among=targets)
             return {"success": True, "message": "generation continues"}
 
@@ -272,11 +326,21 @@ class PoolWeights:
             return {"success": True, "weight_version": new_version}
 
     async def restore(self, i: int) -> None:
-        """Gives restarted replica i the pool's current weights and version, and its pause."""
+        """Gives restarted replica i the pool's current weights and version (and, with
+        restores_adapters, its adapters with their current values), then its pause."""
         async with self.lock:
-            await self.source.restore(self.sup.replicas[i])
+            await self._bring_up(self.sup.replicas[i])
             if self.paused is not None:
                 await self.sup.replicas[i].call("pause_generation", mode=self.paused)
+
+    async def _bring_up(self, replica: Replica) -> None:
+        """StaleWeights (before anything is pushed) when the pool lacks a copy of what it
+        serves; the adapters' loads and values come after the base weights."""
+        if self.restores_adapters:
+            self.adapters.check_restorable()
+        await self.source.restore(replica)
+        if self.restores_adapters:
+            await self.adapters.restore(replica)
 
 
 # A replica call: the method, its positional and its keyword arguments.
@@ -286,6 +350,16 @@ UNDO: dict[str, Call] = {
     "pause_generation": ("continue_generation", (), {}),
     "release_memory_occupation": ("resume_memory_occupation", (), {}),
 }
+
+
+def _applied_as(result: Any, label: str | None, adapters: dict[str, str]) -> bool:
+    """Did a replica's continue_generation apply its staged updates under these labels?"""
+    if isinstance(result, BaseException):
+        return False
+    if label is not None and result.get("weight_version") != label:
+        return False
+    versions = result.get("lora_weight_versions") or {}
+    return all(versions.get(name) == version for name, version in adapters.items())
 
 
 def _refusal(failed: dict[int, BaseException], sup: Supervisor, consequence: str) -> Exception:
