@@ -309,7 +309,6 @@ def _fake_pool(restore_adapter=None):
     sources = AdapterSources(restore_adapter)
     sources.started_with({"a": "default"})
     weights = PoolWeights(sup, WeightSource("default", torch.float32), sources)
-    weights.restores_adapters = True
     sup.restore = weights.restore
     return replicas, sup, weights, PoolAdapters(sup, weights)
 

@@ -280,11 +280,7 @@ def _adapter_pool():
     weights = PoolWeights(sup, WeightSource("default", torch.float32))
     adapters = PoolAdapters(sup, weights)
 
-    async def restore(i: int) -> None:
-        await weights.restore(i)
-        await adapters.restore(i)
-
-    sup.restore = restore
+    sup.restore = weights.restore  # the pool's weights, then its adapters
     return replicas, sup, adapters
 
 

@@ -115,8 +115,7 @@ class AdapterSources:
 
     async def restore(self, replica: Replica) -> None:
         """Loads the pool's adapters on a freshly started replica, then brings every updated
-        one to its current values and label (check_restorable first)."""
-        self.check_restorable()
+        one to its current values and label (the caller has run check_restorable)."""
         for name, path, roots in self.pool_loads():
             await replica.call("load_lora_adapter", name, path, allowed_roots=roots)
         for name in self.entries:

@@ -60,9 +60,3 @@ class PoolAdapters:
                 await self.sources.push_values(self.sup.replicas[i], lora_name)
             except Exception as e:  # noqa: BLE001 - restarted, then restored or kept stale
                 self.sup.mark_dead(i, f"LoRA adapter {lora_name!r} lost its values: {e}")
-
-    async def restore(self, i: int) -> None:
-        """Loads the pool's adapters on restarted replica i (after its weights) and brings the
-        updated ones to their current values (StaleWeights when the pool cannot)."""
-        async with self.weights.lock:
-            await self.sources.restore(self.sup.replicas[i])

@@ -122,7 +122,6 @@ class RolloutPool(ControlAPI):
             self.source = opts.make_source(infos[0])
             adapter_sources = opts.make_adapter_sources(infos[0])
             self.weights = PoolWeights(self.supervisor, self.source, adapter_sources)
-            self.weights.restores_adapters = True
             self.adapters = PoolAdapters(self.supervisor, self.weights)
             self.supervisor.restore = self._restore
             self.dispatcher = Dispatcher(self.supervisor, self.router, opts.wait_for_replica_s)

@@ -51,8 +51,6 @@ class PoolWeights:
         self.sup = supervisor
         self.source = source  # what restores a restarted replica, and the version labels
         self.adapters = adapters or AdapterSources()  # the same, per LoRA adapter
-        # Set by the pool: also restores adapters (loads, values) on a replica brought up.
-        self.restores_adapters = False
         self.lock = asyncio.Lock()
         self.paused: str | None = None  # the pool's own pause mode, set by pause_generation
         self.staged_version: str | None = None  # staged while the pool is paused
@@ -309,8 +307,8 @@ class PoolWeights:
             staged = self.staged_version
             self.paused = None
             if self.pending:
-                await self._commit(targets, staged, dict(self.adapters.staged))
                 adapters = dict(self.adapters.staged)
+                await self._commit(targets, staged, adapters)
                 self._applied(staged)
                 await self._refresh_stale()
                 out = {"success": True, "message": "generation continues"}
@@ -326,8 +324,8 @@ class PoolWeights:
             return {"success": True, "weight_version": new_version}
 
     async def restore(self, i: int) -> None:
-        """Gives restarted replica i the pool's current weights and version (and, with
-        restores_adapters, its adapters with their current values), then its pause."""
+        """Gives restarted replica i the pool's current weights and version, its adapters with
+        their current values, then its pause."""
         async with self.lock:
             await self._bring_up(self.sup.replicas[i])
             if self.paused is not None:
@@ -336,11 +334,9 @@ class PoolWeights:
     async def _bring_up(self, replica: Replica) -> None:
         """StaleWeights (before anything is pushed) when the pool lacks a copy of what it
         serves; the adapters' loads and values come after the base weights."""
-        if self.restores_adapters:
-            self.adapters.check_restorable()
+        self.adapters.check_restorable()
         await self.source.restore(replica)
-        if self.restores_adapters:
-            await self.adapters.restore(replica)
+        await self.adapters.restore(replica)
 
 
 # A replica call: the method, its positional and its keyword arguments.
