@@ -9,6 +9,8 @@ Two runs of the nano workload (bench_offline.py's), each request its own HTTP /g
 - direct: one `rollout serve` worker, the requests sent to it;
 - pool: --workers `rollout serve` workers (sharing the device: give each --max-total-tokens, since
   mem_fraction counts the whole GPU) behind `rollout router`, the requests sent to the router.
+  With --one-gpu-each, worker i runs on GPU i and the direct run is one such worker on GPU 0
+  (the scaling of replicas over GPUs).
 Output tok/s of both and their ratio. The router's overhead per request: the median latency of
 --probes one-token requests (sequential, a short prompt) through the router minus sent to a
 worker directly, the two sent in turn. Arguments after `--` go to every `rollout serve`.
@@ -97,7 +99,9 @@ def probe_ms(ports: list[int], count: int) -> list[float]:
 
 
 def run_direct(serve: list[str], workload, args, log_dir: str) -> dict:
-    proc = start(serve + ["--max-total-tokens", str(args.max_total_tokens * args.workers)], BASE_PORT, log_dir)
+    # Sharing one device, the direct worker gets the pool's whole KV; one GPU each, one worker's.
+    tokens = args.max_total_tokens * (1 if args.one_gpu_each else args.workers)
+    proc = start(serve + ["--max-total-tokens", str(tokens)], BASE_PORT, log_dir)
     try:
         wait_healthy(BASE_PORT, proc)
         throughput(BASE_PORT, (workload[0][:8], workload[1][:8]), args.concurrency)  # warm up
@@ -109,7 +113,10 @@ def run_direct(serve: list[str], workload, args, log_dir: str) -> dict:
 
 def run_pool(serve: list[str], model_path: str, workload, args, log_dir: str) -> dict:
     ports = [BASE_PORT + 1 + i for i in range(args.workers)]
-    workers = [start(serve + ["--max-total-tokens", str(args.max_total_tokens)], p, log_dir) for p in ports]
+    workers = []
+    for i, port in enumerate(ports):
+        placed = ["--base-gpu-id", str(i)] if args.one_gpu_each else []
+        workers.append(start(serve + ["--max-total-tokens", str(args.max_total_tokens), *placed], port, log_dir))
     procs = list(workers)
     try:
         for port, proc in zip(ports, workers):
@@ -142,6 +149,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--probes", type=int, default=200)
+    parser.add_argument("--one-gpu-each", action="store_true", help="worker i on GPU i (--base-gpu-id)")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     model_path, serve = args.model, ["serve"]
     if model_path in REAL_CONFIGS:
@@ -155,7 +163,7 @@ def main() -> None:
     direct = run_direct(serve, workload, args, log_dir)
     pool = run_pool(serve, model_path, workload, args, log_dir)
     print(json.dumps({
-        "bench": "pool", "workers": args.workers, "direct": direct, "pool": pool,
+        "bench": "pool", "workers": args.workers, "one_gpu_each": args.one_gpu_each, "direct": direct, "pool": pool,
         "ratio": round(pool["tok_per_s"] / direct["tok_per_s"], 3), "logs": log_dir,
     }), flush=True)
 

@@ -1,5 +1,6 @@
-"""bf16 on the real models' shapes: every attention backend's logprobs as close to the exact
-(float32) ones as transformers' own bf16 run is, or within 2e-2.
+"""bf16 on the real models' shapes: every attention backend's logprobs (and, on two GPUs, two
+tensor-parallel ranks') as close to the exact (float32) ones as transformers' own bf16 run is,
+or within 2e-2.
 
 Random weights with each real config's dimensions (hidden size, heads, head dim, vocabulary,
 rope settings), cut to a few layers for the two large models so that a checkpoint is written
@@ -77,6 +78,8 @@ BACKENDS = {
     "flashinfer-decode": {"attention_backend": "flashinfer", "decode_attention_backend": "flashinfer"},
     "triton": {"attention_backend": "triton"},
     "torch": {"attention_backend": "torch"},
+    # Two ranks on two GPUs over NCCL, with CUDA graphs: the all-reduce in bf16.
+    "flashinfer-tp2": {"attention_backend": "flashinfer", "tp_size": 2},
 }
 
 
@@ -84,6 +87,8 @@ BACKENDS = {
 def test_bf16_logprobs_match_transformers_on_real_shapes(real_checkpoint, backend):
     if backend.startswith("flashinfer") and not package_imports("flashinfer"):
         pytest.skip("needs flashinfer")
+    if BACKENDS[backend].get("tp_size", 1) > torch.cuda.device_count():
+        pytest.skip(f"needs {BACKENDS[backend]['tp_size']} GPUs")
     path, prompts, hf, exact = real_checkpoint
     params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     options = {"dtype": "bfloat16", "device": "cuda", "max_total_tokens": 8192, "cuda_graph_max_bs": 8}

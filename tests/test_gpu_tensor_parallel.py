@@ -1,6 +1,8 @@
-"""Tensor parallelism on a GPU: two ranks sharing one GPU over gloo (eager) against one rank,
-through the GPU kernels (Triton/FlashInfer attention, fused norms and rotary, the sampling
-kernel). NCCL between GPUs is measured where two GPUs are lent (benchmarks --tp-size)."""
+"""Tensor parallelism on GPUs against one rank, through the GPU kernels (Triton/FlashInfer
+attention, fused norms and rotary, the sampling kernel): two ranks sharing one GPU over gloo
+(eager), and, where two GPUs are lent, two ranks on two GPUs over NCCL, eager and from CUDA
+graphs that capture the all-reduce; a weight update through CUDA IPC handles at two ranks that
+one rank refuses changes neither. (Speed at tp 2: benchmarks --tp-size 2.)"""
 
 from __future__ import annotations
 
@@ -19,7 +21,10 @@ pytestmark = [
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 
-def _generate(path: str, tp: int, backend: str) -> tuple[list[dict], list[dict]]:
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+def _generate(path: str, tp: int, backend: str, **extra) -> tuple[list[dict], list[dict]]:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(3, 90))] for _ in range(6)]
     # Ranks sharing a GPU share its memory too: a KV pool of a fixed size for each.
@@ -32,6 +37,7 @@ def _generate(path: str, tp: int, backend: str) -> tuple[list[dict], list[dict]]
     )
     if tp > 1:
         options.update(tp_size=tp, tp_backend="gloo", gpu_ids=[0] * tp)
+    options.update(extra)
     with RolloutEngine(path, **options) as engine:
         greedy = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
         sampled = engine.generate(
@@ -50,7 +56,24 @@ def _generate(path: str, tp: int, backend: str) -> tuple[list[dict], list[dict]]
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
 def test_two_ranks_on_one_gpu_generate_what_one_rank_does(fixture, backend, request):
     path = request.getfixturevalue(fixture)
-    one, two = _generate(path, 1, backend), _generate(path, 2, backend)
+    _assert_same(_generate(path, 1, backend), _generate(path, 2, backend))
+
+
+@two_gpus
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_two_gpus_over_nccl_generate_what_one_gpu_does(fixture, backend, graphs, request):
+    path = request.getfixturevalue(fixture)
+    graph_options = {"disable_cuda_graph": not graphs}
+    one = _generate(path, 1, backend, **graph_options)
+    two = _generate(
+        path, 2, backend, tp_size=2, tp_backend="nccl", gpu_ids=None, **graph_options
+    )  # fmt: skip
+    _assert_same(one, two)
+
+
+def _assert_same(one: tuple[list[dict], list[dict]], two: tuple[list[dict], list[dict]]) -> None:
     for a, b in zip(one[0], two[0]):
         assert a["output_ids"] == b["output_ids"]
         lps_a = [e[0] for e in a["meta_info"]["output_token_logprobs"]]
@@ -80,3 +103,48 @@ def test_a_weight_update_reaches_both_ranks_on_one_gpu(tiny_qwen3, tiny_qwen3_pe
         assert all(o["meta_info"]["weight_version"] == "v1" for o in out)
         outs.append([o["output_ids"] for o in out])
     assert outs[0] == outs[1]
+
+
+@two_gpus
+def test_per_rank_handles_at_two_gpus_commit_on_both_ranks_or_on_neither(
+    tiny_qwen3, tiny_qwen3_perturbed
+):
+    from safetensors.torch import load_file
+
+    from rollout.weight_sync.tensor_handles import share_tensors
+
+    new = load_file(f"{tiny_qwen3_perturbed}/model.safetensors")
+    prompts = [[5, 6, 7, 8], list(range(10, 60))]
+    options = dict(dtype="float32", device="cuda", max_total_tokens=4096)
+    with RolloutEngine(tiny_qwen3_perturbed, **options) as engine:
+        expected = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+    # Each rank's set on its own GPU, as a trainer sharded like the engine sends them.
+    good = [[(n, t.to(f"cuda:{r}")) for n, t in new.items()] for r in range(2)]
+    name, last = good[1][-1][0], good[1][-1][1]
+    bad = good[1][:-1] + [(name, torch.zeros(3, device="cuda:1"))]  # rank 1's set alone is wrong
+    with RolloutEngine(tiny_qwen3, tp_size=2, tp_backend="nccl", **options) as engine:
+        before = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+        refused = [share_tensors(good[0]), share_tensors(bad)]
+        try:
+            with pytest.raises(ValueError, match="tensor-parallel rank 1"):
+                engine.update_weights_from_tensor([s.handles for s in refused], weight_version="no")
+        finally:
+            for s in refused:
+                s.close()
+        again = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+        assert [o["output_ids"] for o in again] == [o["output_ids"] for o in before]
+        assert [o["meta_info"]["output_token_logprobs"] for o in again] == [
+            o["meta_info"]["output_token_logprobs"] for o in before
+        ]
+        assert engine.get_weight_version() == "default"
+        sent = [share_tensors(good[0]), share_tensors(good[1])]
+        try:
+            engine.update_weights_from_tensor([s.handles for s in sent], weight_version="v1")
+        finally:
+            for s in sent:
+                s.close()
+        out = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        rows = engine.get_weights_by_name(name, truncate_size=4)
+    assert [o["output_ids"] for o in out] == expected
+    assert all(o["meta_info"]["weight_version"] == "v1" for o in out)
+    assert torch.equal(torch.tensor(rows), last[:4].cpu())

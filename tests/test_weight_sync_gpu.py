@@ -1,6 +1,7 @@
 """Weight sync on CUDA: IPC handoff (no bytes through the scheduler's pipe), NCCL between two
-GPUs (and its clear refusal of two ranks on one GPU), and memory release through
-torch-memory-saver. Outputs against transformers on the GPU."""
+GPUs (a trainer killed mid-broadcast leaves the old weights serving; two ranks on one GPU are
+refused clearly), and memory release through torch-memory-saver. Outputs against transformers
+on the GPU."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import asyncio
 import base64
 import copy
 import io
+import multiprocessing as mp
+import os
 import random
+import signal
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -127,6 +133,66 @@ def test_nccl_between_two_gpus_matches_transformers(tiny_qwen3, tiny_qwen3_pertu
             assert _greedy(engine) == expected
         finally:
             sender.close()
+
+
+def _doomed_nccl_trainer(port: int, shapes: list[list[int]], ready, sent) -> None:
+    from rollout.weight_sync.update_group import UpdateGroup
+
+    torch.cuda.set_device(1)
+    ready.set()
+    group = UpdateGroup.join("127.0.0.1", port, 0, 2, "doomed", "nccl", 60, "cuda:1")
+    for shape in shapes[: len(shapes) // 2]:
+        group.broadcast(torch.randn(shape, device="cuda:1"), "sending")
+    sent.set()
+    time.sleep(120)  # killed here
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_trainer_killed_mid_nccl_broadcast_leaves_the_engine_serving(tiny_qwen3):
+    from safetensors.torch import load_file
+
+    from rollout.errors import WeightSyncError
+
+    weights = load_file(f"{tiny_qwen3}/model.safetensors")
+    names, shapes = list(weights), [list(t.shape) for t in weights.values()]
+    with RolloutEngine(tiny_qwen3, dtype="float32", device="cuda:0") as engine:
+        before = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        version = engine.get_weight_version()
+        ctx, port = mp.get_context("spawn"), _free_port()
+        ready, sent = ctx.Event(), ctx.Event()
+        trainer = ctx.Process(target=_doomed_nccl_trainer, args=(port, shapes, ready, sent), daemon=True)
+        trainer.start()
+        try:
+            assert ready.wait(120)
+            timeout_s = 5.0
+            engine.init_weights_update_group("127.0.0.1", port, 1, 2, "doomed", "nccl", timeout_s=timeout_s)
+            call = ThreadPoolExecutor(1).submit(
+                engine.update_weights_from_distributed, names, ["float32"] * len(names), shapes, "doomed"
+            )  # fmt: skip
+            assert sent.wait(120)
+            start = time.monotonic()
+            os.kill(trainer.pid, signal.SIGKILL)
+            with pytest.raises(WeightSyncError, match="rolled back"):
+                call.result(timeout=120)
+            assert time.monotonic() - start < timeout_s + 20
+        finally:
+            trainer.kill()
+            trainer.join()
+        after = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before]
+        assert [o["meta_info"]["output_token_logprobs"] for o in after] == [
+            o["meta_info"]["output_token_logprobs"] for o in before
+        ]
+        assert engine.get_weight_version() == version
+        engine.destroy_weights_update_group("doomed")
+        # A new trainer's group works: the engine's NCCL state survived the abort.
+        sender = WeightSender(engine, method="distributed")
+        sender.init_group("127.0.0.1", _free_port(), backend="nccl", timeout_s=60, device="cuda:1")
+        try:
+            sender.push({n: t.to("cuda:1") for n, t in weights.items()}, weight_version="after")
+        finally:
+            sender.close()
+        assert _greedy(engine) == [o["output_ids"] for o in before]
 
 
 def test_nccl_with_the_trainer_on_the_engines_gpu_is_a_clear_error(tiny_qwen3, tiny_qwen3_perturbed):

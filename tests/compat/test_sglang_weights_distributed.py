@@ -1,4 +1,4 @@
-"""An unmodified SGLang-style trainer updates the engine over gloo: SGLang's rendezvous of
+"""An unmodified SGLang-style trainer updates the engine over gloo (and NCCL between two GPUs): SGLang's rendezvous of
 `init_weights_update_group` and the wire format of `update_weights_from_distributed` (per tensor,
 and flattened_bucket), over HTTP (`rollout serve`) and through the Engine API. Outputs then equal
 transformers on the new weights; a bad name or shape changes nothing and the group stays usable.
@@ -33,7 +33,7 @@ TIMEOUT_S = 60
 
 
 # ---- the SGLang-style trainer ---------------------------------------------------------------
-def trainer_group(port: int, world_size: int, group_name: str) -> dist.ProcessGroup:
+def trainer_group(port: int, world_size: int, group_name: str, backend: str = "gloo") -> dist.ProcessGroup:
     """Rank 0 of the weight update group, made the way SGLang's init_custom_process_group makes
     it on both of its ends."""
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
@@ -41,7 +41,7 @@ def trainer_group(port: int, world_size: int, group_name: str) -> dist.ProcessGr
     store, rank, world = next(dist.rendezvous(url, 0, world_size, timeout=timeout))
     store.set_timeout(timeout)
     pg, _ = _new_process_group_helper(
-        world, rank, [], Backend("gloo"), dist.PrefixStore(group_name, store),
+        world, rank, [], Backend(backend), dist.PrefixStore(group_name, store),
         group_name=group_name, timeout=timeout,
     )  # fmt: skip
     _world.pg_group_ranks[pg] = {i: i for i in range(world)}
@@ -188,3 +188,34 @@ def test_an_sglang_trainer_updates_the_engine_api(engine, pool, expected, tiny_q
         success, _ = engine.destroy_weights_update_group(group)
         dist.destroy_process_group(pg)
     assert success
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_an_sglang_trainer_on_another_gpu_updates_the_engine_over_nccl(
+    pool, expected, tiny_qwen3, tiny_qwen3_perturbed
+):
+    from rollout import RolloutEngine
+
+    group, port = "nccl_group", free_port()
+    with RolloutEngine(tiny_qwen3, dtype="float32", device="cuda:0") as engine, torch.cuda.device(1):
+        joined = pool.submit(engine.init_weights_update_group, "127.0.0.1", port, 1, 2, group, "nccl")
+        pg = trainer_group(port, 2, group, "nccl")
+        try:
+            success, message = joined.result(timeout=TIMEOUT_S)
+            assert success, message
+            for path, load_format, key in (
+                (tiny_qwen3_perturbed, None, "perturbed"), (tiny_qwen3, "flattened_bucket", "base"),
+            ):  # fmt: skip
+                named = [(n, t.to("cuda:1")) for n, t in checkpoint_tensors(path)]
+                args = update_args(named, group, load_format=load_format, weight_version=key)
+                done = pool.submit(engine.update_weights_from_distributed, **args)
+                trainer_broadcast(pg, named, load_format)
+                success, message = done.result(timeout=TIMEOUT_S)
+                assert success, message
+                assert _greedy(engine) == expected[key]
+                assert engine.get_weight_version() == key
+        finally:
+            success, _ = engine.destroy_weights_update_group(group)
+            dist.destroy_process_group(pg)
+        assert success
