@@ -3,7 +3,7 @@ engine around them. Each phase is printed as it passes (with seconds since start
 shows where it sits; a rank that does not finish within --timeout is reported and killed.
 
     NCCL_DEBUG=INFO python benchmarks/nccl_check.py                # NCCL, rank r on cuda:r
-    python benchmarks/nccl_check.py --trainer-current-device 0     # as the two-GPU test runs it
+    python benchmarks/nccl_check.py --gpus 1 0 --trainer-current-device 0  # as the two-GPU test runs it
     python benchmarks/nccl_check.py --backend gloo                 # on the host, no GPU
 
 Run it under NCCL settings to compare (e.g. NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1,
@@ -38,8 +38,10 @@ def _rank(rank: int, port: int, args: argparse.Namespace, start: float) -> None:
 
     device = torch.device("cpu")
     if args.backend == "nccl":
-        device = torch.device("cuda", rank)
-        current = args.trainer_current_device if rank == 0 and args.trainer_current_device is not None else rank
+        device = torch.device("cuda", args.gpus[rank])
+        current = args.gpus[rank]
+        if rank == 0 and args.trainer_current_device is not None:
+            current = args.trainer_current_device
         torch.cuda.set_device(current)
         say(f"group device {device}, current device cuda:{current}")
     group = UpdateGroup.join("127.0.0.1", port, rank, 2, "nccl-check", args.backend, args.timeout, device)
@@ -66,9 +68,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds for joining and for each broadcast")
     parser.add_argument("--mib", type=int, default=64, help="size of each broadcast")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--gpus", type=int, nargs=2, default=[0, 1], help="the GPU of rank 0 (the trainer) and rank 1")
     parser.add_argument(
         "--trainer-current-device", type=int,
-        help="rank 0's current CUDA device, when it should differ from its group device (cuda:0)",
+        help="rank 0's current CUDA device, when it should differ from its group device",
     )  # fmt: skip
     args = parser.parse_args()
     if args.backend == "nccl" and torch.cuda.device_count() < 2:
