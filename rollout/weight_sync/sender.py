@@ -268,11 +268,12 @@ class WeightSender:
     def close(self) -> None:
         """Leaves the update group (the engine too) and frees the buckets."""
         if self.group is not None:
-            name = self.group.name
+            # Both ends leave at once: NCCL's shutdown finalizes with the other ranks.
+            left = self._pool.submit(self.target.destroy_weights_update_group, self.group.name)
             self.group.close()
             self.group = None
             try:
-                self.target.destroy_weights_update_group(name)
+                left.result()
             except (ValueError, RuntimeError):
                 pass  # the engine already dropped it
         self.free_buckets()

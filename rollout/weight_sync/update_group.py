@@ -146,14 +146,26 @@ class UpdateGroup:
         work.wait()  # raises the transport's error, if any
 
     def close(self, failed: bool = False) -> None:
-        """Leaves the group. A healthy group is shut down and dropped here. After a failure
-        the group is aborted first; dropping it may then block until its own timeout, so that
-        happens on a background thread. (A group left for a daemon thread to drop can abort
-        the whole process if it exits meanwhile: only a failed group takes that risk.)"""
+        """Leaves the group. A healthy group is shut down and dropped here; NCCL's shutdown
+        finalizes with the other ranks (they leave at the same time: WeightSender asks the
+        engine to leave while it does), so it gets the group's timeout and is then aborted.
+        After a failure the group is aborted first; dropping it may then block until its own
+        timeout, so that happens on a background thread. (A group left for a daemon thread to
+        drop can abort the whole process if it exits meanwhile: only a failed group, or an
+        NCCL group whose peers never left, takes that risk.)"""
         held = [self._pg, self._store]
         self._pg = self._store = None
         if held[0] is None:
             return
+        if not failed and self.backend == "nccl":
+            if _within(held[0].shutdown, self.timeout_s):
+                held.clear()
+                return
+            logger.warning(
+                "weight update group %r: the other ranks did not leave within %g s; aborting",
+                self.name, self.timeout_s,
+            )  # fmt: skip
+            failed = True
         try:
             held[0].abort() if failed else held[0].shutdown()
         except RuntimeError as e:
@@ -166,6 +178,22 @@ class UpdateGroup:
     @property
     def closed(self) -> bool:
         return self._pg is None
+
+
+def _within(fn: Any, timeout_s: float) -> bool:
+    """Runs fn() on a daemon thread; whether it returned (an exception counts) in time."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        except RuntimeError as e:
+            logger.warning("shutting down a weight update group: %s", e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="group-shutdown", daemon=True).start()
+    return done.wait(timeout_s)
 
 
 def _open(
