@@ -104,7 +104,6 @@ def main() -> None:
     parser.add_argument("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
     parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
-    parser.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
     args = parser.parse_args()
     if args.output_len < 2:
         parser.error(f"--output-len must be >= 2, got {args.output_len}")
@@ -121,7 +120,6 @@ def main() -> None:
         "disable_radix_cache": True,
         "max_total_tokens": 8 * (args.input_len + args.output_len),
         "tp_size": args.tp_size,
-        "disable_custom_all_reduce": args.disable_custom_all_reduce,
     }
     if not os.path.isdir(model):
         if model.lower() not in REAL_CONFIGS:
@@ -156,7 +154,6 @@ def main() -> None:
         "triton_decode_max_batch": args.triton_decode_max_batch,
         "kv_cache_dtype": info["kv_cache_dtype"],
         "tp_size": info["tp_size"],
-        "symmetric_all_reduce": info.get("symmetric_all_reduce"),
         "ttft_ms": round(ours["ttft_s"] * 1e3, 2),
         "decode_step_ms": round(ours["step_s"] * 1e3, 3),
         "decode_tok_per_s": round(1 / ours["step_s"], 1),

@@ -198,7 +198,6 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add("--skinny-gemm-max-rows", type=int, default=kernels.skinny_gemm_max_rows)
     add("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
     add("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
-    add("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
     args = parser.parse_args()
     resolve_lengths(parser, args)
     if args.poll_ms is not None and args.poll_ms <= 0:
@@ -222,7 +221,6 @@ def engine_options(args: argparse.Namespace) -> dict:
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
         "triton_decode_max_batch": args.triton_decode_max_batch,
         "tp_size": args.tp_size,
-        "disable_custom_all_reduce": args.disable_custom_all_reduce,
     }
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens
@@ -327,7 +325,6 @@ def main() -> None:
         "radix_cache": not args.disable_radix_cache,
         "attention_backend": info["attention_backend"],
         "tp_size": info["tp_size"],
-        "symmetric_all_reduce": info.get("symmetric_all_reduce"),
         "decode_attention": info["decode_attention"],
         "cuda_graph": not args.disable_cuda_graph and info["device"].startswith("cuda"),
         "overlap_schedule": not args.disable_overlap_schedule,

@@ -87,11 +87,6 @@ class KernelOptions:
         "batches) run the skinny GEMM kernel of kernels/ instead of torch's GEMM; 0: never",
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
-    disable_custom_all_reduce: bool = _opt(
-        False,
-        "tensor parallelism on GPUs: sum every all-reduce with NCCL, also the small ones of "
-        "decode that otherwise go through symmetric memory (one kernel, no ring)",
-    )
     cuda_graph_max_bs: int = _opt(
         256, "largest decode batch replayed from a CUDA graph (capped by max_running_requests)"
     )

@@ -285,3 +285,24 @@ def test_tp_group_ranges():
     assert single.all_reduce(x) is x and single.all_gather(x) is x
     with pytest.raises(ValueError, match="rank must be in"):
         TPGroup(2, 2)
+
+
+@pytest.mark.parametrize(
+    ("device", "placement", "want"),
+    [
+        ("cuda", {}, "cuda:0"),
+        ("cuda", {"base_gpu_id": 1}, "cuda:1"),
+        ("cuda", {"gpu_ids": [3]}, "cuda:3"),
+        ("cuda:2", {"base_gpu_id": 1}, "cuda:2"),  # a device that names its GPU wins
+        ("cpu", {"base_gpu_id": 1}, "cpu"),
+    ],
+)
+def test_one_rank_runs_on_its_base_gpu(tiny_qwen3, device, placement, want):
+    # `rollout serve --base-gpu-id 1` puts a single-rank engine on GPU 1 (as SGLang's does),
+    # e.g. data-parallel workers started one per GPU.
+    from rollout.config import EngineOptions
+    from rollout.engine.tp_setup import join_group
+
+    options = EngineOptions.from_kwargs(model_path=tiny_qwen3, device=device, **placement)
+    placed, tp = join_group(options, None, 0)
+    assert placed.model.device == want and tp.size == 1

@@ -156,6 +156,8 @@ def test_a_trainer_killed_mid_nccl_broadcast_leaves_the_engine_serving(tiny_qwen
     weights = load_file(f"{tiny_qwen3}/model.safetensors")
     names, shapes = list(weights), [list(t.shape) for t in weights.values()]
     with RolloutEngine(tiny_qwen3, dtype="float32", device="cuda:0") as engine:
+        # From scratch each time (a prefix-cache hit changes logprobs in the last bits).
+        engine.flush_cache()
         before = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
         version = engine.get_weight_version()
         ctx, port = mp.get_context("spawn"), _free_port()
@@ -178,6 +180,7 @@ def test_a_trainer_killed_mid_nccl_broadcast_leaves_the_engine_serving(tiny_qwen
         finally:
             trainer.kill()
             trainer.join()
+        engine.flush_cache()
         after = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
         assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before]
         assert [o["meta_info"]["output_token_logprobs"] for o in after] == [

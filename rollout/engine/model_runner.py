@@ -56,8 +56,6 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mopts.dtype, hf_config)
-        if self.device.type == "cuda" and not options.kernels.disable_custom_all_reduce:
-            self.tp = tp = tp.with_symmetric_all_reduce(self.device, self.dtype)
         self.kv_dtype = kv_cache_dtype(options.cache.kv_cache_dtype, self.dtype)
         check_kv_dtype_runs(self.kv_dtype, self.device)
         # Weights and KV live in tagged regions so that memory release can give them back (the

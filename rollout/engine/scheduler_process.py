@@ -114,7 +114,6 @@ class SchedulerProcess:
             "decode_attention": str(self.runner.kernel_plan.decode_attention),
             "kernel_plan": self.runner.kernel_plan.as_dict(),
             "tp_size": tp.size,
-            "symmetric_all_reduce": self.runner.tp.small_all_reduce is not None,
         }
         # At WARNING, the level this process logs at: the one start-up line worth seeing.
         logger.warning("kernel plan: %s", self.runner.kernel_plan)

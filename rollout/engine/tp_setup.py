@@ -29,11 +29,15 @@ RANK_CALL_TIMEOUT_S = 600.0
 def join_group(
     options: EngineOptions, addrs: Addresses, rank: int
 ) -> tuple[EngineOptions, TPGroup]:
-    """This rank's options (its own device) and its place in the group; tp 1: as they are."""
+    """This rank's options (its own device) and its place in the group."""
     size = options.parallel.tp_size
-    if size == 1:
-        return options, SINGLE
     device = options.model.device or default_device()
+    if size == 1:
+        # One rank: on base_gpu_id (or gpu_ids[0]) unless the device names its GPU.
+        if device == "cuda":
+            device = f"cuda:{options.parallel.gpu_of(0)}"
+            options = replace(options, model=replace(options.model, device=device))
+        return options, SINGLE
     if device.startswith("cuda"):
         device = f"cuda:{options.parallel.gpu_of(rank)}"
         torch.cuda.set_device(torch.device(device))

@@ -14,8 +14,7 @@ group (NCCL on GPU, gloo on CPU): a CUDA graph captures them with the rest of th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,8 +54,6 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
-    # SymmetricAllReduce for the small all-reduces, or None (NCCL for all).
-    small_all_reduce: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -76,22 +73,10 @@ class TPGroup:
         torch.distributed is initialised."""
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
-    def with_symmetric_all_reduce(self, device: torch.device, dtype: torch.dtype) -> TPGroup:
-        """This group, summing small `dtype` tensors through symmetric memory where every rank
-        can (see rollout.forward.symmetric_all_reduce); collective: every rank calls it."""
-        if self.size == 1 or dist.get_backend(self.group) != "nccl":
-            return self
-        from rollout.forward.symmetric_all_reduce import SymmetricAllReduce
-
-        return replace(self, small_all_reduce=SymmetricAllReduce.create(self.group, device, dtype))
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the group in place and returns it (every rank gets the same sum)."""
-        if self.size == 1:
-            return x
-        if self.small_all_reduce is not None and self.small_all_reduce.fits(x):
-            return self.small_all_reduce(x)
-        dist.all_reduce(x, group=self.group)
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
