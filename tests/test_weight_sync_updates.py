@@ -188,35 +188,41 @@ def test_refused_distributed_update_drains_the_broadcast_and_keeps_the_group(eng
     engine.destroy_weights_update_group("refuse")
 
 
-def _doomed_trainer(port: int, names: list[str], shapes: list[list[int]], ready, sent) -> None:
+def _doomed_trainer(port: int, shapes: list[list[int]], ready, sent) -> None:
+    """Sends the first of `shapes` (all of them: one per tensor; none: a flattened bucket, one
+    broadcast that never comes), then dies or stalls."""
     ready.set()  # imports done: the engine may start joining now
     group = UpdateGroup.join("127.0.0.1", port, 0, 2, "doomed", "gloo", 60)
-    for shape in shapes[: len(shapes) // 2]:
+    for shape in shapes:
         group.broadcast(torch.randn(shape), "sending")
     sent.set()
     time.sleep(120)  # killed here, or stalled until the engine gives up
 
 
-@pytest.mark.parametrize("fate", ["killed", "stalled"])
+@pytest.mark.parametrize("fate", ["killed", "stalled", "killed-flattened"])
 def test_trainer_failing_mid_broadcast_leaves_the_old_weights(engine, expected, tiny_qwen3, fate):
+    # A flattened bucket is written only once its one broadcast has all arrived (no backup).
     weights = _weights(tiny_qwen3)
     engine.update_weights_from_tensor(weights, weight_version="safe")
     before = _exact(engine)
     names, shapes = list(weights), [list(t.shape) for t in weights.values()]
+    flat = fate.endswith("flattened")
+    sends = [] if flat else shapes[: len(shapes) // 2]
     ctx, port = mp.get_context("spawn"), _free_port()
     ready, sent = ctx.Event(), ctx.Event()
-    trainer = ctx.Process(target=_doomed_trainer, args=(port, names, shapes, ready, sent), daemon=True)
+    trainer = ctx.Process(target=_doomed_trainer, args=(port, sends, ready, sent), daemon=True)
     trainer.start()
     try:
         assert ready.wait(60)
         timeout_s = 2.0
         engine.init_weights_update_group("127.0.0.1", port, 1, 2, "doomed", "gloo", timeout_s=timeout_s)
         call = ThreadPoolExecutor(1).submit(
-            engine.update_weights_from_distributed, names, ["float32"] * len(names), shapes, "doomed"
-        )
+            engine.update_weights_from_distributed, names, ["float32"] * len(names), shapes, "doomed",
+            load_format="flattened_bucket" if flat else None,
+        )  # fmt: skip
         assert sent.wait(30)
         start = time.monotonic()
-        if fate == "killed":
+        if fate.startswith("killed"):
             os.kill(trainer.pid, signal.SIGKILL)
         with pytest.raises(WeightSyncError, match="rolled back") as err:
             call.result(timeout=60)

@@ -93,7 +93,9 @@ class LocalUpdates:
             distributed_source.drain(group, units, call.load_format)  # the trainer is sending: let it finish
             raise
         stream = lambda: distributed_source.receive(group, units, call.load_format)  # noqa: E731
-        return Update(len(specs), stream, streamed=True)
+        # One broadcast (a flattened bucket, or a single tensor) arrives whole before the first
+        # write: nothing to back up for a call that stands alone.
+        return Update(len(specs), stream, streamed=len(units) > 1)
 
     @contextlib.contextmanager
     def tensor(
