@@ -46,6 +46,7 @@ class GenerateRequest:
     audio_data: Any = None
     custom_logit_processor: Any = None
     return_routed_experts: bool = False
+    pp_rank: int | None = None  # the pipeline stage: the engine has one, 0
     # Continue an open session's turn (rollout/engine/session_params.py): {"id", "rid",
     # "offset", "replace"}; a list holds one per prompt.
     session_params: dict[str, Any] | list[dict[str, Any]] | None = None
@@ -87,6 +88,11 @@ class GenerateRequest:
         if self.return_routed_experts:
             raise InvalidRequest(
                 "return_routed_experts must be false: the served model has no experts"
+            )
+        if self.pp_rank not in (None, 0) or isinstance(self.pp_rank, bool):
+            raise InvalidRequest(
+                f"pp_rank must be null or 0: the engine runs as one pipeline stage, got "
+                f"{self.pp_rank!r}"
             )
 
     @classmethod

@@ -289,6 +289,7 @@ def test_fields_sglang_clients_always_send_are_accepted(server):
         "image_data": None,
         "lora_path": None,
         "return_routed_experts": False,
+        "pp_rank": 0,
         "custom_logit_processor": None,
         "log_metrics": False,
         "sampling_params": {
@@ -312,6 +313,7 @@ def test_fields_sglang_clients_always_send_are_accepted(server):
         ("image_data", "a.png"),
         ("lora_path", "adapter"),
         ("return_routed_experts", True),
+        ("pp_rank", 1),
     ):
         resp = httpx.post(f"{server}/generate", json={**body, field: value})
         assert resp.status_code == 400 and field in resp.json()["error"]["message"]
