@@ -5,7 +5,7 @@
 # own timeout; a short log goes to stdout and $OUT/log, everything to $OUT/full.log and
 # $OUT/gpu-tests.log. PARTs: diag (nccl_check in the two-GPU test's layout, then that test alone
 # with every process's stacks dumped after 70 s), ncclonly, killed, compat, ncclsync, tptests,
-# tpq, real (pytest selections of the two-GPU cases), latency, latency2, tpfwd (tp 1 against
+# tpq, real (pytest selections of the two-GPU cases), latency, tpfwd (tp 1 against
 # tp 2), weightsync, remote, pool (two replicas, one GPU each), llama (500 x 4096/2048 at tp 1
 # and tp 2).
 set -uo pipefail
