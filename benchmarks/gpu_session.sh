@@ -49,6 +49,13 @@ save_jit_cache() {
   find "$OUT" -maxdepth 1 -name triton-cache.tgz -size +30M -print -delete
 }
 save_jit_cache
+# MPS=1: CUDA MPS for the benchmarks, so that processes sharing the GPU (bench_pool's workers)
+# run their kernels side by side instead of taking turns.
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "MPS daemon started"
+fi
 for spec in "$@"; do
   set -- $spec
   name=$1
@@ -57,3 +64,4 @@ for spec in "$@"; do
   timeout "${BENCH_TIMEOUT:-300}" python3 "benchmarks/bench_$name.py" "$@" 2>&1 | grep -v "^\s*$" | tail -n 8 | tee -a "$OUT/bench.jsonl"
 done
 save_jit_cache
+if [ "${MPS:-0}" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
