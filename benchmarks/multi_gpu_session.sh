@@ -5,7 +5,7 @@
 # own timeout; a short log goes to stdout and $OUT/log, everything to $OUT/full.log and
 # $OUT/gpu-tests.log. PARTs: diag (nccl_check in the two-GPU test's layout, then that test alone
 # with every process's stacks dumped after 70 s), ncclonly, killed, compat, ncclsync, tptests,
-# tpq, real (pytest selections of the two-GPU cases), latency, tpfwd (tp 1 against
+# tpq, real (pytest selections of the two-GPU cases), three (needs three GPUs), latency, tpfwd (tp 1 against
 # tp 2), weightsync, remote, pool (two replicas, one GPU each), llama (500 x 4096/2048 at tp 1
 # and tp 2).
 set -uo pipefail
@@ -61,6 +61,7 @@ for part in "$@"; do
   killed) pyt 150 tests/test_weight_sync_gpu.py -k killed ;;
   ncclsync) pyt 150 tests/test_weight_sync_gpu.py -k "nccl and not killed" ;;
   real) pyt 250 tests/test_gpu_real_configs.py -k tp2 ;;
+  three) pyt 400 tests/test_gpu_three_gpus.py ;;
   latency)
     step 200 4 python3 benchmarks/bench_latency.py --model qwen2.5-7b
     step 200 4 python3 benchmarks/bench_latency.py --model qwen2.5-7b --tp-size 2 ;;

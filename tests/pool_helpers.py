@@ -36,21 +36,22 @@ def weights(path: str) -> dict[str, torch.Tensor]:
 
 def broadcast_update(
     target: Any, named: dict[str, torch.Tensor], world_size: int, version: str,
-    group: str = "trainer",
+    group: str = "trainer", backend: str = "gloo", device: str | None = None,
 ) -> dict:  # fmt: skip
-    """The trainer's side of a distributed update over gloo: rank 0 of a fresh group that
-    every rank of `target` (an engine, a pool, a client of a router) joins; one broadcast."""
+    """The trainer's side of a distributed update (gloo, or nccl from `device`): rank 0 of a
+    fresh group that every rank of `target` (an engine, a pool, a client of a router) joins;
+    one broadcast; then both sides leave the group at once, as NCCL's shutdown wants."""
     from rollout.weight_sync import distributed_source
     from rollout.weight_sync.update_group import UpdateGroup
 
     port, pool = free_port(), ThreadPoolExecutor(1)
     joined = pool.submit(
-        target.init_weights_update_group, "127.0.0.1", port, 1, world_size, group, "gloo", 60
+        target.init_weights_update_group, "127.0.0.1", port, 1, world_size, group, backend, 60
     )
-    trainer = UpdateGroup.join("127.0.0.1", port, 0, world_size, group, "gloo", 60)
+    trainer = UpdateGroup.join("127.0.0.1", port, 0, world_size, group, backend, 60, device)
     joined.result()
     try:
-        pairs = list(named.items())
+        pairs = [(n, t if device is None else t.to(device)) for n, t in named.items()]
         done = pool.submit(
             target.update_weights_from_distributed, [n for n, _ in pairs],
             ["float32"] * len(pairs), [list(t.shape) for _, t in pairs], group,
@@ -59,8 +60,9 @@ def broadcast_update(
         distributed_source.send(trainer, pairs, None)
         return done.result(timeout=120)
     finally:
+        left = pool.submit(target.destroy_weights_update_group, group)
         trainer.close()
-        target.destroy_weights_update_group(group)
+        left.result(timeout=120)
 
 
 def discard_by_refusal(engine: Any) -> dict:
