@@ -118,6 +118,8 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=["tensor", "disk", "memory"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--max-total-tokens", type=int, default=65536)
+    parser.add_argument("--weight-update-backup", default="cpu", choices=["cpu", "device", "auto"],
+                        help="where a streamed (per-tensor nccl) update keeps what it overwrites")
     args = parser.parse_args()
     if args.model.lower() not in REAL_CONFIGS:
         parser.error(f"--model must be one of {sorted(REAL_CONFIGS)}")
@@ -126,9 +128,11 @@ def main() -> None:
     options = {
         "dtype": "bfloat16", "device": "cuda:0", "load_format": "dummy",
         "max_total_tokens": args.max_total_tokens, "enable_weights_cpu_backup": "memory" in args.paths,
+        "weight_update_backup": args.weight_update_backup,
     }  # fmt: skip
     with RolloutEngine(model_path, **options) as engine:
-        common = {"model": args.model, "weights_gib": gib(sum(t.numel() * 2 for t in weights.values()))}
+        common = {"model": args.model, "weights_gib": gib(sum(t.numel() * 2 for t in weights.values())),
+                  "weight_update_backup": args.weight_update_backup}  # fmt: skip
         for path in args.paths:
             if path == "nccl" and torch.cuda.device_count() < 2:
                 print(json.dumps({**common, "path": path, "skipped": "needs two GPUs"}))

@@ -208,7 +208,7 @@ def main() -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
-        run(sched, *workload(), return_logprob=logprob)
+        run(sched, *pick_workload(args, sched.runner.vocab_size), return_logprob=logprob)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 

@@ -174,13 +174,17 @@ class SchedulerOptions:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
 
 
+BACKUPS = ("cpu", "device", "auto")
+
+
 @dataclass(frozen=True)
 class WeightSyncOptions:
     weight_update_backup: str = _opt(
         "cpu",
         "where an update that can fail midway keeps the values it overwrites until it commits: "
-        "cpu (pinned host memory) or device (faster; needs free device memory the size of the "
-        "update)",
+        "cpu (pinned host memory), device (faster; needs free device memory the size of the "
+        "update), or auto (on the device while it has room, e.g. with the KV cache released, "
+        "else on the host)",
     )
     weight_sync_timeout_s: float = _opt(
         300.0, "seconds to wait for the trainer when joining an update group and for each broadcast"
@@ -192,9 +196,10 @@ class WeightSyncOptions:
     )
 
     def __post_init__(self) -> None:
-        if self.weight_update_backup not in ("cpu", "device"):
+        if self.weight_update_backup not in BACKUPS:
             raise ValueError(
-                f"weight_update_backup must be cpu or device, got {self.weight_update_backup!r}"
+                f"weight_update_backup must be one of {', '.join(BACKUPS)}, got "
+                f"{self.weight_update_backup!r}"
             )
         if not self.weight_sync_timeout_s > 0:
             raise ValueError(f"weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")

@@ -69,7 +69,7 @@ def test_specs_are_checked_as_a_whole_before_loading(model):
         build_specs(["a"], ["float99"], [[1]])
 
 
-@pytest.mark.parametrize("backup", ["cpu", "device"])
+@pytest.mark.parametrize("backup", ["cpu", "device", "auto"])
 def test_rollback_restores_every_weight_bitwise(model, backup):
     before = _snapshot(model)
     txn = WeightTransaction(model, backup)
@@ -80,6 +80,24 @@ def test_rollback_restores_every_weight_bitwise(model, backup):
     assert not _same(model, before)
     assert txn.rollback() is True
     assert _same(model, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_backup_keeps_old_values_on_the_device_while_it_has_room(tiny_qwen3, monkeypatch):
+    import rollout.weight_sync.transaction as transaction
+
+    gpu_model = load_model(tiny_qwen3, AutoConfig.from_pretrained(tiny_qwen3), torch.float32, "cuda")
+    before = _snapshot(gpu_model)
+    name, other = "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    txn = WeightTransaction(gpu_model, "auto")
+    txn.load(name, torch.randn_like(gpu_model.hf_weight(name)))
+    # No room left (as with a full KV cache): the next backup goes to the host.
+    monkeypatch.setattr(transaction, "AUTO_DEVICE_HEADROOM", 1 << 60)
+    txn.load(other, torch.randn_like(gpu_model.hf_weight(other)))
+    assert txn._saved[name].is_cuda and not txn._saved[other].is_cuda
+    assert txn.rollback() is True
+    assert _same(gpu_model, before)
 
 
 def test_without_backup_a_written_update_reports_what_it_lost(model):

@@ -12,6 +12,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# What a device backup ("auto") leaves free for everything else on the device.
+AUTO_DEVICE_HEADROOM = 1 << 30
+
+
+def _room_on_device(view: torch.Tensor) -> bool:
+    """Whether a copy of `view` fits on its GPU with AUTO_DEVICE_HEADROOM to spare."""
+    if not view.is_cuda:
+        return False
+    free, _ = torch.cuda.mem_get_info(view.device)
+    return free > view.numel() * view.element_size() + AUTO_DEVICE_HEADROOM
+
 
 class HostBuffers:
     """Host copies reused from one update to the next (pinned when the model is on a GPU:
@@ -41,8 +52,8 @@ class WeightTransaction:
     ) -> None:
         """backup: "cpu", "device" or None (no rollback once written). `no_backup_for`: weights
         whose current values are worthless (released without a copy): never saved."""
-        if backup not in (None, "cpu", "device"):
-            raise ValueError(f"backup must be cpu, device or None, got {backup!r}")
+        if backup not in (None, "cpu", "device", "auto"):
+            raise ValueError(f"backup must be cpu, device, auto or None, got {backup!r}")
         self.model = model
         self.backup = backup
         self.host_buffers = host_buffers or HostBuffers()
@@ -63,7 +74,7 @@ class WeightTransaction:
             return
         view = self.model.hf_weight(name)
         if self.backup and name not in self._saved and name not in self.no_backup_for:
-            if self.backup == "device":
+            if self.backup == "device" or (self.backup == "auto" and _room_on_device(view)):
                 self._saved[name] = view.clone()
             else:
                 # NOTE: non_blocking is safe: the load below is queued after this copy on the
