@@ -10,20 +10,7 @@
 # (commands run after this script: export TRITON_CACHE_DIR=/tmp/triton-cache to use the cache).
 # GPU_TESTS (default: the GPU test files) and TEST_TIMEOUT pick what pytest runs; GPU_TESTS=none skips it.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-# The Triton kernels in kernels/ import as rollout_kernels (pyproject's package-dir).
-ln -sfn "$PWD/kernels" /tmp/site/rollout_kernels
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" "$FLASHINFER_WORKSPACE_BASE" "$TRITON_CACHE_DIR"
-if [ -f .jit/flashinfer-jit.tgz ]; then
-  tar -xzf .jit/flashinfer-jit.tgz -C "$FLASHINFER_WORKSPACE_BASE" && echo "restored FlashInfer JIT cache"
-fi
-if [ -f .jit/triton-cache.tgz ]; then
-  tar -xzf .jit/triton-cache.tgz -C "$TRITON_CACHE_DIR" && echo "restored Triton cache"
-fi
+source benchmarks/device_env.sh
 date -u +%Y-%m-%dT%H:%MZ
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, flashinfer; print('torch', torch.__version__, 'transformers', transformers.__version__, 'flashinfer', flashinfer.__version__)"
@@ -42,12 +29,6 @@ if [ "$GPU_TESTS" != none ]; then
   tail -n 20 "$OUT/gpu-tests.log"
   echo "GPU tests took ${SECONDS}s"
 fi
-save_jit_cache() {
-  tar -czf "$OUT/flashinfer-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null && ls -la "$OUT/flashinfer-jit.tgz"
-  tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null && ls -la "$OUT/triton-cache.tgz"
-  # What a device call can carry is limited (64 MiB with the wheels): a larger cache is dropped.
-  find "$OUT" -maxdepth 1 -name triton-cache.tgz -size +30M -print -delete
-}
 save_jit_cache
 # MPS=1: CUDA MPS for the benchmarks, so that processes sharing the GPU (bench_pool's workers)
 # run their kernels side by side instead of taking turns.

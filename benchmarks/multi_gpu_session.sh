@@ -5,21 +5,12 @@
 # own timeout; a short log goes to stdout and $OUT/log, everything to $OUT/full.log and
 # $OUT/gpu-tests.log. PARTs: diag (nccl_check in the two-GPU test's layout, then that test alone
 # with every process's stacks dumped after 70 s), ncclonly, killed, compat, ncclsync, tptests,
-# tpq, real (pytest selections of the two-GPU cases), three (needs three GPUs), latency, tpfwd (tp 1 against
-# tp 2), weightsync, remote, pool (two replicas, one GPU each), llama (500 x 4096/2048 at tp 1
-# and tp 2).
+# tpq, real (pytest selections of the two-GPU cases), three (needs three GPUs), latency, tpfwd
+# (tp 1 against tp 2), weightsync, remote, pool (two replicas, one GPU each), llama
+# (500 x 4096/2048 at tp 1 and tp 2).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-ln -sfn "$PWD/kernels" /tmp/site/rollout_kernels
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-ws TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p "$FLASHINFER_WORKSPACE_BASE" "$TRITON_CACHE_DIR"
-if [ ! -f /tmp/restored ]; then
-  [ -f .jit/flashinfer-jit.tgz ] && tar -xzf .jit/flashinfer-jit.tgz -C "$FLASHINFER_WORKSPACE_BASE"
-  [ -f .jit/triton-cache.tgz ] && tar -xzf .jit/triton-cache.tgz -C "$TRITON_CACHE_DIR"
-  touch /tmp/restored
-fi
+source benchmarks/device_env.sh
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 say() { echo "== [$(date -u +%H:%M:%S) +$(elapsed)s] $*" | tee -a $OUT/log; }
@@ -29,11 +20,6 @@ step() {  # step TIMEOUT TAIL CMD...
   timeout "$t" "$@" > $OUT/step.tmp 2>&1; echo "rc=$?" >> $OUT/step.tmp
   cat $OUT/step.tmp >> $OUT/full.log
   grep -v "^\s*$" $OUT/step.tmp | tail -n "$n" | tee -a $OUT/log
-}
-save_jit() {
-  tar -czf "$OUT/flashinfer-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null
-  tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
-  find "$OUT" -maxdepth 1 -name '*.tgz' -size +30M -print -delete
 }
 pyt() {  # pyt TIMEOUT PYTEST-ARGS...
   local t=$1; shift
@@ -79,5 +65,5 @@ for part in "$@"; do
     step 200 4 python3 benchmarks/bench_offline.py --model llama-3.1-8b --workload random --num-seqs 500 --input-len 4096 --output-len 2048 --tp-size 2 ;;
   esac
 done
-save_jit
+save_jit_cache
 say done

@@ -49,6 +49,27 @@ def start_server(model_path: str, *args: str, api_key: str | None = None) -> tup
         client.close()
 
 
+def start_process(cmd: list[str], url: str, api_key: str | None = None) -> subprocess.Popen:
+    """Starts `cmd` (a server or router serving `url`) and waits until it is ready."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    client = RolloutClient(url, api_key=api_key)
+    deadline = time.monotonic() + 120
+    try:
+        while proc.poll() is None and not client.health():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{cmd} did not answer /health within 120 s")
+            time.sleep(0.2)
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd} exited during startup:\n{proc.stderr.read()}")
+        client.wait_ready(timeout=60)
+    except BaseException:
+        stop_server(proc)
+        raise
+    finally:
+        client.close()
+    return proc
+
+
 def stop_server(proc: subprocess.Popen, timeout: float = 15) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

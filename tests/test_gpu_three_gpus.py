@@ -8,14 +8,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from pool_helpers import GREEDY, PROMPTS, broadcast_update, free_port, wait_for, weights
+from pool_helpers import GREEDY, PROMPTS, broadcast_update, free_port, weights
+from server_helpers import start_process, start_server, stop_server
+from trainer_helpers import doomed_trainer
 
 from rollout import RolloutEngine
 from rollout.client import RolloutClient
@@ -44,18 +44,6 @@ def _greedy(target) -> list[list[int]]:
     return [o["output_ids"] for o in target.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
 
 
-def _doomed_trainer(port: int, shapes: list[list[int]], ready, sent) -> None:
-    from rollout.weight_sync.update_group import UpdateGroup
-
-    torch.cuda.set_device(2)
-    ready.set()
-    group = UpdateGroup.join("127.0.0.1", port, 0, 3, "doomed", "nccl", 60, "cuda:2")
-    for shape in shapes[: len(shapes) // 2]:
-        group.broadcast(torch.randn(shape, device="cuda:2"), "sending")
-    sent.set()
-    time.sleep(120)  # killed here
-
-
 def test_a_tp2_engine_updated_from_a_trainer_on_a_third_gpu(tiny_qwen3, tiny_qwen3_perturbed):
     with RolloutEngine(tiny_qwen3_perturbed, device="cuda:0", **OPTIONS) as one_rank:
         expected = _greedy(one_rank)
@@ -67,7 +55,8 @@ def test_a_tp2_engine_updated_from_a_trainer_on_a_third_gpu(tiny_qwen3, tiny_qwe
         # A trainer that dies midway: neither rank changes, and the engine serves on.
         ctx, port = mp.get_context("spawn"), free_port()
         ready, sent = ctx.Event(), ctx.Event()
-        trainer = ctx.Process(target=_doomed_trainer, args=(port, shapes, ready, sent), daemon=True)
+        sends = shapes[: len(shapes) // 2]
+        trainer = ctx.Process(target=doomed_trainer, args=(port, 3, sends, ready, sent, 2), daemon=True)
         trainer.start()
         try:
             assert ready.wait(120)
@@ -99,33 +88,21 @@ def test_a_tp2_engine_updated_from_a_trainer_on_a_third_gpu(tiny_qwen3, tiny_qwe
         assert engine.get_weight_version() == "nccl-tp2-flat"
 
 
-def _serve(args: list[str], port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rollout.cli", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    client = RolloutClient(f"http://127.0.0.1:{port}")
-    try:
-        wait_for(lambda: proc.poll() is not None or client.health(), 300, f"{args[0]} not up")
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd} exited during startup:\n{proc.stderr.read()}")
-        client.wait_ready(timeout=120)
-    finally:
-        client.close()
-    return proc
-
-
 def test_one_broadcast_from_a_third_gpu_reaches_two_replicas(tiny_qwen3, tiny_qwen3_perturbed):
     with RolloutEngine(tiny_qwen3_perturbed, device="cuda:0", **OPTIONS) as one:
         expected = _greedy(one)
-    procs, ports = [], [free_port(), free_port()]
+    procs = []
     try:
-        for gpu, port in enumerate(ports):
-            args = ["serve", "--model-path", tiny_qwen3, "--base-gpu-id", str(gpu),
-                    "--dtype", "float32", "--max-total-tokens", "4096"]  # fmt: skip
-            procs.append(_serve(args, port))
-        urls = [f"http://127.0.0.1:{p}" for p in ports]
-        router = free_port()
-        procs.append(_serve(["router", "--worker-urls", *urls, "--model-path", tiny_qwen3], router))
-        with RolloutClient(f"http://127.0.0.1:{router}") as client:
+        urls = []
+        for gpu in range(2):
+            proc, url = start_server(tiny_qwen3, "--device", "cuda", "--base-gpu-id", str(gpu))
+            procs.append(proc)
+            urls.append(url)
+        router = f"http://127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "rollout.cli", "router", "--worker-urls", *urls,
+               "--model-path", tiny_qwen3, "--port", router.rsplit(":", 1)[1]]  # fmt: skip
+        procs.append(start_process(cmd, router))
+        with RolloutClient(router) as client:
             info = client.get_server_info()
             assert sorted(r["info"]["device"] for r in info["replicas"]) == ["cuda:0", "cuda:1"]
             result = broadcast_update(
@@ -139,9 +116,4 @@ def test_one_broadcast_from_a_third_gpu_reaches_two_replicas(tiny_qwen3, tiny_qw
                 assert _greedy(worker) == expected
     finally:
         for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)

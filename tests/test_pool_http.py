@@ -15,7 +15,7 @@ import threading
 import httpx
 import pytest
 from pool_helpers import GREEDY, PROMPTS, broadcast_update, free_port, hf_greedy, wait_for
-from server_helpers import SERVER_ARGS, stop_server
+from server_helpers import SERVER_ARGS, start_process, stop_server
 
 from rollout.client import RolloutClient
 
@@ -23,28 +23,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER_KEY, USER_KEY, ADMIN_KEY = "worker-admin", "user", "admin"
 
 
-def _start(cmd: list[str], url: str, api_key: str | None) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    client = RolloutClient(url, api_key=api_key)
-    try:
-        wait_for(lambda: proc.poll() is not None or client.health(), 120, f"{cmd[2]} not up")
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd} exited during startup:\n{proc.stderr.read()}")
-        client.wait_ready(timeout=60)
-    except BaseException:
-        stop_server(proc)
-        raise
-    finally:
-        client.close()
-    return proc
-
-
 def _worker(model: str, port: int, roots: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, os.path.join(HERE, "pool_worker.py"), "--model-path", model,
            "--port", str(port), "--admin-api-key", WORKER_KEY, *SERVER_ARGS]  # fmt: skip
     for root in roots:
         cmd += ["--allowed-weight-roots", root]
-    return _start(cmd, f"http://127.0.0.1:{port}", WORKER_KEY)
+    return start_process(cmd, f"http://127.0.0.1:{port}", WORKER_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +60,7 @@ def cluster(tiny_qwen3, layout):
                "--worker-api-key", WORKER_KEY, "--port", str(port), "--api-key", USER_KEY,
                "--admin-api-key", ADMIN_KEY, "--allowed-weight-roots", layout["own"],
                "--allowed-weight-roots", layout["shared"], "--health-check-s", "0.5"]  # fmt: skip
-        workers["router"] = _start(cmd, f"http://127.0.0.1:{port}", ADMIN_KEY)
+        workers["router"] = start_process(cmd, f"http://127.0.0.1:{port}", ADMIN_KEY)
         yield {"router": f"http://127.0.0.1:{port}", "urls": urls, "procs": workers, "roots": roots,
                "model": tiny_qwen3}  # fmt: skip
     finally:

@@ -21,6 +21,7 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
+from trainer_helpers import doomed_trainer
 from transformers import AutoModelForCausalLM
 
 from rollout import RolloutEngine
@@ -135,18 +136,6 @@ def test_nccl_between_two_gpus_matches_transformers(tiny_qwen3, tiny_qwen3_pertu
             sender.close()
 
 
-def _doomed_nccl_trainer(port: int, shapes: list[list[int]], ready, sent) -> None:
-    from rollout.weight_sync.update_group import UpdateGroup
-
-    torch.cuda.set_device(1)
-    ready.set()
-    group = UpdateGroup.join("127.0.0.1", port, 0, 2, "doomed", "nccl", 60, "cuda:1")
-    for shape in shapes[: len(shapes) // 2]:
-        group.broadcast(torch.randn(shape, device="cuda:1"), "sending")
-    sent.set()
-    time.sleep(120)  # killed here
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_trainer_killed_mid_nccl_broadcast_leaves_the_engine_serving(tiny_qwen3):
     from safetensors.torch import load_file
@@ -162,7 +151,8 @@ def test_a_trainer_killed_mid_nccl_broadcast_leaves_the_engine_serving(tiny_qwen
         version = engine.get_weight_version()
         ctx, port = mp.get_context("spawn"), _free_port()
         ready, sent = ctx.Event(), ctx.Event()
-        trainer = ctx.Process(target=_doomed_nccl_trainer, args=(port, shapes, ready, sent), daemon=True)
+        sends = shapes[: len(shapes) // 2]
+        trainer = ctx.Process(target=doomed_trainer, args=(port, 2, sends, ready, sent, 1), daemon=True)
         trainer.start()
         try:
             assert ready.wait(120)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hf_reference import hf_greedy
 from safetensors.torch import load_file, save_file
+from trainer_helpers import doomed_trainer
 from transformers import AutoModelForCausalLM
 
 from rollout import RolloutEngine
@@ -188,17 +189,6 @@ def test_refused_distributed_update_drains_the_broadcast_and_keeps_the_group(eng
     engine.destroy_weights_update_group("refuse")
 
 
-def _doomed_trainer(port: int, shapes: list[list[int]], ready, sent) -> None:
-    """Sends the first of `shapes` (all of them: one per tensor; none: a flattened bucket, one
-    broadcast that never comes), then dies or stalls."""
-    ready.set()  # imports done: the engine may start joining now
-    group = UpdateGroup.join("127.0.0.1", port, 0, 2, "doomed", "gloo", 60)
-    for shape in shapes:
-        group.broadcast(torch.randn(shape), "sending")
-    sent.set()
-    time.sleep(120)  # killed here, or stalled until the engine gives up
-
-
 @pytest.mark.parametrize("fate", ["killed", "stalled", "killed-flattened"])
 def test_trainer_failing_mid_broadcast_leaves_the_old_weights(engine, expected, tiny_qwen3, fate):
     # A flattened bucket is written only once its one broadcast has all arrived (no backup).
@@ -210,7 +200,7 @@ def test_trainer_failing_mid_broadcast_leaves_the_old_weights(engine, expected, 
     sends = [] if flat else shapes[: len(shapes) // 2]
     ctx, port = mp.get_context("spawn"), _free_port()
     ready, sent = ctx.Event(), ctx.Event()
-    trainer = ctx.Process(target=_doomed_trainer, args=(port, sends, ready, sent), daemon=True)
+    trainer = ctx.Process(target=doomed_trainer, args=(port, 2, sends, ready, sent), daemon=True)
     trainer.start()
     try:
         assert ready.wait(60)

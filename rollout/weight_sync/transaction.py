@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rollout.config import BACKUPS
+
 # What a device backup ("auto") leaves free for everything else on the device.
 AUTO_DEVICE_HEADROOM = 1 << 30
 
@@ -50,10 +52,11 @@ class WeightTransaction:
         host_buffers: HostBuffers | None = None,
         no_backup_for: frozenset[str] = frozenset(),
     ) -> None:
-        """backup: "cpu", "device" or None (no rollback once written). `no_backup_for`: weights
-        whose current values are worthless (released without a copy): never saved."""
-        if backup not in (None, "cpu", "device", "auto"):
-            raise ValueError(f"backup must be cpu, device, auto or None, got {backup!r}")
+        """backup: one of BACKUPS (see WeightSyncOptions.weight_update_backup) or None (no
+        rollback once written). `no_backup_for`: weights whose current values are worthless
+        (released without a copy): never saved."""
+        if backup is not None and backup not in BACKUPS:
+            raise ValueError(f"backup must be one of {', '.join(BACKUPS)} or None, got {backup!r}")
         self.model = model
         self.backup = backup
         self.host_buffers = host_buffers or HostBuffers()

@@ -1,0 +1,26 @@
+# Sourced by gpu_session.sh and multi_gpu_session.sh on the GPU machine (repo root): installs the
+# wheels brought in .whl/, sets the environment, restores the compiled kernels carried in .jit/
+# (once per machine), and defines save_jit_cache, which puts them in $OUT to carry next time.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# The Triton kernels in kernels/ import as rollout_kernels (pyproject's package-dir).
+ln -sfn "$PWD/kernels" /tmp/site/rollout_kernels
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" "$FLASHINFER_WORKSPACE_BASE" "$TRITON_CACHE_DIR"
+if [ ! -f /tmp/jit-restored ]; then
+  if [ -f .jit/flashinfer-jit.tgz ]; then
+    tar -xzf .jit/flashinfer-jit.tgz -C "$FLASHINFER_WORKSPACE_BASE" && echo "restored FlashInfer JIT cache"
+  fi
+  if [ -f .jit/triton-cache.tgz ]; then
+    tar -xzf .jit/triton-cache.tgz -C "$TRITON_CACHE_DIR" && echo "restored Triton cache"
+  fi
+  touch /tmp/jit-restored
+fi
+save_jit_cache() {
+  tar -czf "$OUT/flashinfer-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null && ls -la "$OUT/flashinfer-jit.tgz"
+  tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null && ls -la "$OUT/triton-cache.tgz"
+  # What a device call can carry is limited (64 MiB with the wheels): a larger cache is dropped.
+  find "$OUT" -maxdepth 1 -name triton-cache.tgz -size +30M -print -delete
+}
