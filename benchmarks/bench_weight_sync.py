@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from rollout import RolloutEngine  # noqa: E402
+from rollout.config import BACKUPS  # noqa: E402
 from rollout.models.loader import build_model  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
 from rollout.weight_sync.sender import WeightSender  # noqa: E402
@@ -118,7 +119,7 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=["tensor", "disk", "memory"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--max-total-tokens", type=int, default=65536)
-    parser.add_argument("--weight-update-backup", default="cpu", choices=["cpu", "device", "auto"],
+    parser.add_argument("--weight-update-backup", default="cpu", choices=BACKUPS,
                         help="where a streamed (per-tensor nccl) update keeps what it overwrites")
     args = parser.parse_args()
     if args.model.lower() not in REAL_CONFIGS:
