@@ -82,7 +82,9 @@ def _rank(rank: int, args: argparse.Namespace, path: str, port: int, results) ->
     results.put((rank, start.elapsed_time(end) / args.iters))
     if args.tp_size > 1:
         dist.barrier()
-        dist.destroy_process_group()
+    # Without destroy_process_group: with CUDA graphs that captured its collectives still
+    # alive it blocked (and the engine's ranks never call it either); exiting frees it all.
+    os._exit(0)
 
 
 def main() -> None:
@@ -103,14 +105,16 @@ def main() -> None:
     for p in procs:
         p.start()
     times = dict(results.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join(120)
     print(json.dumps({
         "bench": "tp_forward", "model": args.model, "tp_size": args.tp_size, "batch": args.batch,
         "collectives": not args.no_collectives, "replay_ms": round(times[0], 4),
         "replay_ms_by_rank": [round(times[r], 4) for r in sorted(times)],
         "device": torch.cuda.get_device_name(0),
     }), flush=True)  # fmt: skip
+    for p in procs:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
 
 
 if __name__ == "__main__":

@@ -5,12 +5,14 @@
 # own timeout; a short log goes to stdout and $OUT/log, everything to $OUT/full.log and
 # $OUT/gpu-tests.log. PARTs: diag (nccl_check in the two-GPU test's layout, then that test alone
 # with every process's stacks dumped after 70 s), ncclonly, killed, compat, ncclsync, tptests,
-# tpq, real (pytest selections of the two-GPU cases), three (needs three GPUs), latency, tpfwd
+# tpq, tpstacks, real (pytest selections of the two-GPU cases), three (needs three GPUs), latency, tpfwd
 # (tp 1 against tp 2), weightsync, remote, pool (two replicas, one GPU each), llama
-# (500 x 4096/2048 at tp 1 and tp 2).
+# (500 x 4096/2048 at tp 1 and tp 2), tpfwd2 (tp 2 alone). STACKS=N: every process started
+# writes its threads' stacks into the log N seconds after it starts (benchmarks/stack_dump).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source benchmarks/device_env.sh
+if [ -n "${STACKS:-}" ]; then export DUMP_AFTER_S=$STACKS PYTHONPATH=$PWD/benchmarks/stack_dump:$PYTHONPATH; fi
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 say() { echo "== [$(date -u +%H:%M:%S) +$(elapsed)s] $*" | tee -a $OUT/log; }
@@ -44,6 +46,7 @@ for part in "$@"; do
   weightsync)
     step 200 6 python3 benchmarks/bench_weight_sync.py --model qwen2.5-7b --paths nccl
     step 200 6 python3 benchmarks/bench_weight_sync.py --model qwen2.5-7b --paths nccl --weight-update-backup auto ;;
+  tpstacks) pyt 300 -s --timeout 120 tests/test_gpu_tensor_parallel.py -k "two_gpus and tiny_qwen3 and triton" ;;
   tptests) pyt 260 tests/test_gpu_tensor_parallel.py -k "two_gpus or per_rank" ;;
   compat) pyt 150 tests/compat/test_sglang_weights_distributed.py -k nccl ;;
   killed) pyt 150 tests/test_weight_sync_gpu.py -k killed ;;
@@ -57,6 +60,7 @@ for part in "$@"; do
     step 150 2 python3 benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 1
     step 150 2 python3 benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 2
     step 150 2 python3 benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 2 --no-collectives ;;
+  tpfwd2) step 150 60 python3 benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 2 ;;
   remote) step 200 6 python3 trainers_examples/remote_trainer.py --device cuda:0 --trainer-device cuda:1 --steps 3 ;;
   pool)
     step 300 4 python3 benchmarks/bench_pool.py --model qwen3-0.6b --max-total-tokens 250000 --one-gpu-each --probes 100 ;;

@@ -34,6 +34,7 @@ pytestmark = [
 
 LAYERS = {"qwen3-0.6b": None, "qwen2.5-7b": 3, "llama-3.1-8b": 3}  # None: all of them
 LOGPROB_TOL = 2e-2
+TP_SPREAD = 1.6  # how much further bf16 tensor parallelism may stray (see the assertion)
 NEW_TOKENS = 12
 
 
@@ -113,6 +114,9 @@ def test_bf16_logprobs_match_transformers_on_real_shapes(real_checkpoint, backen
     }
     print(stats)
     # As far from the exact logprobs as transformers' bf16 run, with a quarter to spare, or
-    # within the fixed tolerance where that is wider.
-    assert stats["vs_fp32_max"] <= max(LOGPROB_TOL, 1.25 * stats["hf_bf16_vs_fp32_max"]), stats
-    assert stats["vs_fp32_mean"] <= max(LOGPROB_TOL / 2, 1.25 * stats["hf_bf16_vs_fp32_mean"]), stats
+    # within the fixed tolerance where that is wider. At tp 2 a row-parallel projection's
+    # output is two bf16 partial sums added in bf16: two roundings more per projection than
+    # one GPU's (RESULTS.md, fifteenth session: what Qwen3-0.6B's 28 layers make of them).
+    spare = 1.25 * (TP_SPREAD if BACKENDS[backend].get("tp_size", 1) > 1 else 1.0)
+    assert stats["vs_fp32_max"] <= max(LOGPROB_TOL, spare * stats["hf_bf16_vs_fp32_max"]), stats
+    assert stats["vs_fp32_mean"] <= max(LOGPROB_TOL / 2, spare * stats["hf_bf16_vs_fp32_mean"]), stats

@@ -145,7 +145,7 @@ def test_a_trainer_killed_mid_nccl_broadcast_leaves_the_engine_serving(tiny_qwen
     weights = load_file(f"{tiny_qwen3}/model.safetensors")
     names, shapes = list(weights), [list(t.shape) for t in weights.values()]
     with RolloutEngine(tiny_qwen3, dtype="float32", device="cuda:0") as engine:
-        # From scratch each time (a prefix-cache hit changes logprobs in the last bits).
+        # From scratch each time (no prefix-cache hit).
         engine.flush_cache()
         before = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
         version = engine.get_weight_version()
@@ -173,9 +173,12 @@ def test_a_trainer_killed_mid_nccl_broadcast_leaves_the_engine_serving(tiny_qwen
         engine.flush_cache()
         after = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
         assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before]
-        assert [o["meta_info"]["output_token_logprobs"] for o in after] == [
-            o["meta_info"]["output_token_logprobs"] for o in before
-        ]
+        # Logprobs to the last bits only when the scheduler batches the prompts the same way;
+        # a weight left half written moves them far more than this.
+        for a, b in zip(after, before, strict=True):
+            got = [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
+            want = [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
+            assert got == pytest.approx(want, abs=1e-5)
         assert engine.get_weight_version() == version
         engine.destroy_weights_update_group("doomed")
         # A new trainer's group works: the engine's NCCL state survived the abort.
