@@ -5,7 +5,9 @@ and restarted by its supervisor, here the test)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -113,6 +115,30 @@ def test_greedy_over_http_equals_transformers_and_keys_are_checked(cluster, admi
                         headers={"Authorization": f"Bearer {USER_KEY}"}, timeout=60)  # fmt: skip
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
     assert all(r["routed"] > 0 for r in _routing(admin))  # both workers served
+
+
+def test_a_one_prompt_answer_is_the_workers_json_as_it_wrote_it(cluster, admin, expected):
+    """One prompt is relayed (rollout/pool/generate_relay.py): the router's answer is the bytes
+    its worker wrote (the request's id and latency aside, which differ between any two calls)."""
+    body = {"input_ids": PROMPTS[1], "sampling_params": GREEDY, "return_logprob": True}
+
+    def answer(url: str, key: str) -> bytes:
+        resp = httpx.post(url + "/generate", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+        assert resp.status_code == 200
+        return re.sub(rb'"(id|e2e_latency)":("[^"]*"|[-+.e0-9]+)', rb'"\1":0', resp.content)
+
+    before = _routing(admin)
+    answer(cluster["router"], USER_KEY)  # the worker it lands on caches the prompt
+    first = _routing(admin)
+    worker = next(i for i, (a, b) in enumerate(zip(first, before)) if a != b)
+    answer(cluster["urls"][worker], WORKER_KEY)
+    routed = answer(cluster["router"], USER_KEY)
+    direct = answer(cluster["urls"][worker], WORKER_KEY)
+    assert routed == direct and json.loads(routed)["output_ids"] == expected["base"][1]
+    second = _routing(admin)  # the same worker again, for the prefix it holds
+    assert second[worker]["routed"] == first[worker]["routed"] + 1
+    assert second[worker]["prefix_hits"] == first[worker]["prefix_hits"] + 1
 
 
 def test_a_grpo_group_lands_on_one_worker(admin):

@@ -10,16 +10,26 @@ replica serves, a part waits up to `wait_s` for one to come back.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from rollout.engine.tokenizer_manager import EngineDeadError
 from rollout.errors import InvalidRequest
 from rollout.generate_request import GenerateRequest
-from rollout.pool.replica import ReplicaDead
-from rollout.pool.requests import Part, join, mark_retried, session_pin, split
+from rollout.pool.replica import Replica, ReplicaDead
+from rollout.pool.requests import (
+    Part,
+    events_retried,
+    join,
+    json_retried,
+    mark_retried,
+    session_pin,
+    split,
+)
 from rollout.pool.router import Route, Router
 from rollout.pool.supervisor import Supervisor
+
+T = TypeVar("T")
 
 
 class Dispatcher:
@@ -31,8 +41,8 @@ class Dispatcher:
     async def generate(self, request: GenerateRequest) -> Any:
         parts, joined = split(request)
         if not joined:
-            return await self._run(parts[0])
-        tasks = [asyncio.ensure_future(self._run(p)) for p in parts]
+            return await self._generate(parts[0])
+        tasks = [asyncio.ensure_future(self._generate(p)) for p in parts]
         try:
             return join(await asyncio.gather(*tasks))
         except BaseException:
@@ -40,34 +50,36 @@ class Dispatcher:
                 t.cancel()  # the others are aborted on their replicas
             raise
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[dict]:
-        [part], _ = split(request)
-        failed: int | None = None
-        while True:
-            route = await self._route(part, avoid=failed)
-            replica = self.supervisor.replicas[route.replica]
-            sent = False
-            self.router.started(route.replica, part.tokens)
-            try:
-                async for out in replica.stream(part.request):
-                    sent = True
-                    yield mark_retried(out) if failed is not None else out
-                return
-            except ReplicaDead as e:
-                self.supervisor.mark_dead(route.replica, str(e))
-                if sent or failed is not None:
-                    raise EngineDeadError(_lost(e, sent, failed is not None)) from None
-                failed = route.replica
-            finally:
-                self.router.finished(route.replica, part.tokens)
+    async def _generate(self, part: Part) -> Any:
+        answer, retried = await self._run(part, lambda replica: replica.generate(part.request))
+        return mark_retried(answer) if retried else answer
 
-    async def _run(self, part: Part) -> Any:
+    def stream(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        [part], _ = split(request)
+        return self._stream(part, lambda replica: replica.stream(part.request), mark_retried)
+
+    async def relay(self, part: Part) -> bytes:
+        """A worker's JSON answer to a part whose request is a client's body (relay_part), as
+        the worker gave it (HttpReplica.relay); made again with meta_info["retried"] when a
+        second worker gave it."""
+        answer, retried = await self._run(part, lambda replica: replica.relay(part.request))
+        return json_retried(answer) if retried else answer
+
+    def relay_stream(self, part: Part) -> AsyncIterator[bytes]:
+        """A worker's server-sent events for such a part, as relay does the answer."""
+        return self._stream(
+            part, lambda replica: replica.relay_stream(part.request), events_retried
+        )
+
+    async def _run(self, part: Part, send: Callable[[Replica], Awaitable[T]]) -> tuple[T, bool]:
+        """`send(replica)`'s answer from the replica the part is routed to, and whether it was
+        retried (its first replica died)."""
         failed: int | None = None
         while True:
             route = await self._route(part, avoid=failed)
             self.router.started(route.replica, part.tokens)
             try:
-                answer = await self.supervisor.replicas[route.replica].generate(part.request)
+                answer = await send(self.supervisor.replicas[route.replica])
             except ReplicaDead as e:
                 self.supervisor.mark_dead(route.replica, str(e))
                 if failed is not None:
@@ -77,7 +89,32 @@ class Dispatcher:
                 continue
             finally:
                 self.router.finished(route.replica, part.tokens)
-            return mark_retried(answer) if failed is not None else answer
+            return answer, failed is not None
+
+    async def _stream(
+        self, part: Part, open_stream: Callable[[Replica], AsyncIterator[T]],
+        mark: Callable[[T], T],
+    ) -> AsyncIterator[T]:  # fmt: skip
+        """`open_stream(replica)`'s items, from the replica the part is routed to; `mark`ed
+        once a second replica sends them."""
+        failed: int | None = None
+        while True:
+            route = await self._route(part, avoid=failed)
+            replica = self.supervisor.replicas[route.replica]
+            sent = False
+            self.router.started(route.replica, part.tokens)
+            try:
+                async for out in open_stream(replica):
+                    sent = True
+                    yield mark(out) if failed is not None else out
+                return
+            except ReplicaDead as e:
+                self.supervisor.mark_dead(route.replica, str(e))
+                if sent or failed is not None:
+                    raise EngineDeadError(_lost(e, sent, failed is not None)) from None
+                failed = route.replica
+            finally:
+                self.router.finished(route.replica, part.tokens)
 
     async def call_one(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """An engine method on one replica, the least loaded (encode, classify, score, reads

@@ -71,38 +71,58 @@ class HttpReplica(Replica):
             )  # fmt: skip
         return self._http
 
-    def _post_generate(self, request: GenerateRequest) -> Any:
-        body = json.dumps(request.to_json(), separators=(",", ":")).encode()
+    def _post_generate(self, body: bytes) -> Any:
         return self._session().post(self.generate_url, data=body, headers=JSON_TYPE)
 
     async def generate(self, request: GenerateRequest) -> Any:
+        return json.loads(await self.relay(_body(request)))
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        async for events in self.relay_stream(_body(request)):
+            for line in events.split(b"\n"):
+                if line.startswith(b"data:") and (data := line[5:].strip()) != b"[DONE]":
+                    yield json.loads(data)
+
+    async def relay(self, body: bytes) -> bytes:
+        """The worker's JSON answer to a /generate body (stream false), as it is."""
         try:
-            async with self._post_generate(request) as resp:
-                body = await resp.read()
+            async with self._post_generate(body) as resp:
+                answer = await resp.read()
         except _UNREACHABLE as e:
             raise ReplicaDead(f"{self.name} is unreachable: {e!r}") from None
         if resp.status != 200:
-            raise self._error(resp.status, _message(body))
-        return json.loads(body)
+            raise self._error(resp.status, _message(answer))
+        return answer
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[dict]:
+    async def relay_stream(self, body: bytes) -> AsyncIterator[bytes]:
+        """The worker's server-sent events for a /generate body (stream true), as they come,
+        whole events only (up to and with their blank line), its `data: [DONE]` included. An
+        error event is raised as the engine's exception of its code."""
+        error = None  # raised out of the try: Forbidden is an OSError
         try:
-            async with self._post_generate(request) as resp:
+            async with self._post_generate(body) as resp:
                 if resp.status != 200:
-                    raise self._error(resp.status, _message(await resp.read()))
-                async for line in _lines(resp.content):
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        return
-                    item = json.loads(data)
-                    if isinstance(item, dict) and "error" in item and "meta_info" not in item:
-                        err = item["error"]
-                        raise self._error(err.get("code", 500), err.get("message", data.decode()))
-                    yield item
+                    error = self._error(resp.status, _message(await resp.read()))
+                else:
+                    async for events in _events(resp.content):
+                        at = events.find(b'data: {"error"')
+                        if at >= 0 and (error := self._error_event(events[at:])) is not None:
+                            if at:
+                                yield events[:at]
+                            break
+                        yield events
         except _UNREACHABLE as e:
             raise ReplicaDead(f"{self.name} is unreachable: {e!r}") from None
+        if error is not None:
+            raise error
+
+    def _error_event(self, events: bytes) -> Exception | None:
+        """The exception of the error event that `events` starts with, if it is one."""
+        item = json.loads(events.split(b"\n", 1)[0][5:])
+        if not (isinstance(item, dict) and "error" in item and "meta_info" not in item):
+            return None
+        err = item["error"]
+        return self._error(err.get("code", 500), err.get("message", str(err)))
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(self._call, method, args, kwargs)
@@ -163,14 +183,26 @@ def _message(body: bytes) -> str:
         return body.decode(errors="replace")
 
 
-async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The lines of a body as they come, of any length (StreamReader's own line reading
-    refuses lines longer than its buffer: an event with many logprobs can be longer)."""
-    pending = b""
+def _body(request: GenerateRequest) -> bytes:
+    return json.dumps(request.to_json(), separators=(",", ":")).encode()
+
+
+async def _events(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """A body's server-sent events as they come, whole ones only (each ends with a blank line),
+    of any length (StreamReader's own line reading refuses lines longer than its buffer: an
+    event with many logprobs can be longer)."""
+    held: list[bytes] = []
     async for chunk in content.iter_any():
-        lines = (pending + chunk).split(b"\n")
-        pending = lines.pop()
-        for line in lines:
-            yield line
-    if pending:
-        yield pending
+        end = chunk.rfind(b"\n\n")
+        if end >= 0:
+            cut = end + 2
+        elif chunk.startswith(b"\n") and held and held[-1].endswith(b"\n"):
+            cut = 1  # the blank line spans two chunks
+        else:
+            held.append(chunk)
+            continue
+        held.append(chunk[:cut])
+        yield b"".join(held)
+        held = [chunk[cut:]] if cut < len(chunk) else []
+    if any(piece.strip() for piece in held):
+        yield b"".join(held)

@@ -103,7 +103,7 @@ def _serve(
         pool_options=pool_options, loop_factory=loop_factory,
     )  # fmt: skip
     what = f"workers {' '.join(args.worker_urls)}"
-    return run_server(pool, options, signals, what, on_pool_loop=True)
+    return run_server(pool, options, signals, what, on_pool_loop=True, relay=True)
 
 
 def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], replicas: int) -> int:
@@ -131,17 +131,21 @@ def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], repli
 
 def run_server(
     pool: Any, options: ServerOptions, signals: ShutdownSignals, what: str,
-    on_pool_loop: bool = False,
+    on_pool_loop: bool = False, relay: bool = False,
 ) -> int:  # fmt: skip
     """Serves `pool` with rollout serve's app until a shutdown signal; shuts the pool down.
     `on_pool_loop`: the server runs on the pool's own event loop (a request then reaches the
-    pool's dispatcher with no hop between threads), else on one of its own."""
+    pool's dispatcher with no hop between threads), else on one of its own. `relay` (on the
+    pool's loop, for a pool of HTTP workers): a one-prompt /generate goes to its worker as the
+    client sent it (generate_relay.py)."""
+    from rollout.pool.generate_relay import relay_front
     from rollout.server.app import create_app
 
     try:
         app = create_app(pool, options)
+        served = relay_front(app, pool.dispatcher, options) if relay else app
         config = uvicorn.Config(
-            app, host=options.host, port=options.port, log_level=options.log_level,
+            served, host=options.host, port=options.port, log_level=options.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )  # fmt: skip
         server = signals.server = EngineServer(config, pool, app.state)

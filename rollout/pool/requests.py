@@ -5,22 +5,28 @@ GRPO group stays on one replica) per part, each routed on its own prompt. A part
 call for a batch of one prompt, so its answer is a list of its `n` samples; the caller gets
 them back prompt-major, as one engine answers. A call whose shape is off (lists of unequal
 length, no prompt) is not split: one replica answers it, with the engine's own error.
+
+`rollout router` relays the body of a one-prompt /generate to a worker as the client sent it
+(relay_part: the part's request is then those bytes), never parsed into a GenerateRequest.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from rollout.generate_request import GenerateRequest
+from rollout.generate_request import WIRE_NAMES, GenerateRequest
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default, for the load estimate only
 TEXT_CHARS_PER_TOKEN = 4
+_WIRE_KEYS = frozenset(WIRE_NAMES.get(f.name, f.name) for f in fields(GenerateRequest))
 
 
 @dataclass(frozen=True)
 class Part:
-    request: GenerateRequest
+    # bytes: a client's JSON body, relayed to a worker as it is (relay_part)
+    request: GenerateRequest | bytes
     key: list[int] | str | None  # what the router matches prefixes on
     rid: str | None  # what pins it to a replica: its session (session_pin), else its own rid
     tokens: int  # outstanding tokens it adds to a replica's load
@@ -31,7 +37,7 @@ def split(request: GenerateRequest) -> tuple[list[Part], bool]:
     answer is the answer, as it is)."""
     prompts = _prompt_list(request)
     if prompts is None or len(prompts) < 2 or not _lists_fit(request, len(prompts)):
-        return [_part(request, _single_key(request))], False
+        return [_part(request, _single_key(request.prompt, request.input_ids))], False
     parts = []
     for i, prompt in enumerate(prompts):
         sub = replace(
@@ -47,6 +53,31 @@ def split(request: GenerateRequest) -> tuple[list[Part], bool]:
     return parts, True
 
 
+def relay_part(body: Any, raw: bytes) -> Part | None:
+    """The part of a client's /generate body that a worker can be sent as it is (`raw`, parsed
+    as `body`): one prompt, with its n samples, streamed only as one sample. None for what
+    takes split's path, where the pool checks the request and sends it again: a batch, a
+    streamed batch or n > 1 (the pool merges those streams), a body whose keys or flags are
+    not GenerateRequest's (refused there)."""
+    if not isinstance(body, dict) or not _WIRE_KEYS.issuperset(body):
+        return None
+    stream, log_metrics = body.get("stream", False), body.get("log_metrics", True)
+    if type(stream) is not bool or type(log_metrics) is not bool:
+        return None
+    prompt, ids, params = body.get("text"), body.get("input_ids"), body.get("sampling_params")
+    key = _single_key(prompt, ids)
+    if key is None:
+        return None
+    one_sample = (key is prompt or key is ids) and (params is None or _one_sample(params))
+    if stream and not one_sample:
+        return None
+    return Part(raw, key, _pin(body.get("rid"), body.get("session_params")), _tokens(params, key))
+
+
+def _one_sample(params: Any) -> bool:
+    return isinstance(params, dict) and params.get("n", 1) in (1, None)
+
+
 def join(answers: list[Any]) -> list[dict]:
     """Each part's list of samples, concatenated in prompt order."""
     return [out for answer in answers for out in (answer if isinstance(answer, list) else [answer])]
@@ -58,6 +89,25 @@ def mark_retried(answer: Any) -> Any:
         if isinstance(out, dict) and isinstance(out.get("meta_info"), dict):
             out["meta_info"]["retried"] = True
     return answer
+
+
+def json_retried(answer: bytes) -> bytes:
+    """A worker's JSON answer with meta_info["retried"] set, as mark_retried does."""
+    return _json(mark_retried(json.loads(answer)))
+
+
+def events_retried(events: bytes) -> bytes:
+    """A worker's server-sent events with meta_info["retried"] set on each output."""
+    lines = events.split(b"\n")
+    for i, line in enumerate(lines):
+        if line.startswith(b"data:") and (data := line[5:].strip()) != b"[DONE]":
+            lines[i] = b"data: " + _json(mark_retried(json.loads(data)))
+    return b"\n".join(lines)
+
+
+def _json(value: Any) -> bytes:
+    # As the server writes it: non-finite floats (a -inf logprob) are values.
+    return json.dumps(value, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode()
 
 
 def _prompt_list(request: GenerateRequest) -> list | None:
@@ -80,8 +130,8 @@ def _nth(params: Any, i: int) -> Any:
     return params[i] if isinstance(params, list) else params
 
 
-def _single_key(request: GenerateRequest) -> list[int] | str | None:
-    prompt = request.prompt if request.prompt is not None else request.input_ids
+def _single_key(prompt: Any, input_ids: Any) -> list[int] | str | None:
+    prompt = prompt if prompt is not None else input_ids
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
@@ -92,15 +142,19 @@ def _single_key(request: GenerateRequest) -> list[int] | str | None:
 
 
 def _part(request: GenerateRequest, key: Any) -> Part:
-    rid = request.rid[0] if isinstance(request.rid, list) and request.rid else request.rid
-    session = session_of(request)
-    pin = session_pin(session) if session is not None else rid if isinstance(rid, str) else None
-    return Part(request, key, pin, _tokens(request, key))
+    pin = _pin(request.rid, request.session_params)
+    return Part(request, key, pin, _tokens(request.sampling_params, key))
 
 
-def session_of(request: GenerateRequest) -> str | None:
-    """The session a part's turn continues (its KV lives on the session's replica)."""
-    params = request.session_params
+def _pin(rid: Any, session_params: Any) -> str | None:
+    rid = rid[0] if isinstance(rid, list) and rid else rid
+    session = session_of(session_params)
+    return session_pin(session) if session is not None else rid if isinstance(rid, str) else None
+
+
+def session_of(params: Any) -> str | None:
+    """The session a part's turn continues (its KV lives on the session's replica), from its
+    session_params."""
     params = params[0] if isinstance(params, list) and len(params) == 1 else params
     session = params.get("id") if isinstance(params, dict) else None
     return session if isinstance(session, str) else None
@@ -111,9 +165,8 @@ def session_pin(session_id: str) -> str:
     return f"session/{session_id}"
 
 
-def _tokens(request: GenerateRequest, key: Any) -> int:
-    """An estimate: an unsplit batch counts as its first prompt."""
-    params = request.sampling_params
+def _tokens(params: Any, key: Any) -> int:
+    """An estimate from the sampling params: an unsplit batch counts as its first prompt."""
     params = (params[0] if params else {}) if isinstance(params, list) else params
     params = params if isinstance(params, dict) else {}
     new = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)

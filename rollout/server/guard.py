@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from rollout.server.options import ServerOptions
 
 OPEN_PATHS = frozenset({"/health"})
+GUARDED = "rollout.guarded"  # scope key: a Guard has checked this request (an outer one)
 ADMIN_PATHS = frozenset(
     {
         "/flush_cache",
@@ -94,7 +95,8 @@ async def send_error(send: Any, status: int, message: str, kind: str) -> None:
 
 class Guard:
     """`state.stopping` (the app's state) set: every new request gets 503 (the server is
-    draining: requests in flight are being aborted and it exits once they have answered)."""
+    draining: requests in flight are being aborted and it exits once they have answered).
+    A request checked by a Guard around this one passes as it is (rollout router's relay)."""
 
     def __init__(self, app: Any, options: ServerOptions, state: Any) -> None:
         self.app = app
@@ -102,7 +104,7 @@ class Guard:
         self.state = state
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or GUARDED in scope:
             await self.app(scope, receive, send)
             return
         if getattr(self.state, "stopping", False):
@@ -122,6 +124,7 @@ class Guard:
             await send_error(send, 403, f"{path} needs the admin API key", "permission_error")
             return
         scope.setdefault("state", {})["role"] = role
+        scope[GUARDED] = True
         _default_to_json(scope)
         limit = self.options.max_request_bytes
         length = _content_length(scope)

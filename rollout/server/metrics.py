@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 CLIENT_DISCONNECT = "client_disconnect"
 DISCONNECT_STATUS = 499  # what a route answers once its client left (nobody reads it)
+COUNTED = "rollout.errors_counted"  # scope key: a CountErrors counts this request's answer
 
 
 class ServerMetrics:
@@ -125,16 +126,18 @@ class ServerMetrics:
 
 class CountErrors:
     """ASGI middleware: counts every answer with status >= 400 by endpoint, status class and the
-    error body's `type`; a DISCONNECT_STATUS answer counts as a client disconnect instead."""
+    error body's `type`; a DISCONNECT_STATUS answer counts as a client disconnect instead. A
+    request that a CountErrors around this one counts passes as it is (rollout router's relay)."""
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app = app
         self.metrics = metrics
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or COUNTED in scope:
             await self.app(scope, receive, send)
             return
+        scope[COUNTED] = True
         status = 0
         counted = False
 
