@@ -41,13 +41,13 @@ for part in "$@"; do
     DUMP_AFTER_S=70 NCCL_DEBUG=INFO PYTHONPATH=$PWD/benchmarks/stack_dump:$PYTHONPATH timeout 95 python3 -m pytest -s -v -p no:cacheprovider \
       tests/test_weight_sync_gpu.py -k test_nccl_between_two_gpus > $OUT/diag.log 2>&1; echo "rc=$?" >> $OUT/diag.log
     grep -E "PASSED|FAILED|rc=|Error|error" $OUT/diag.log | tail -n 20 | tee -a $OUT/log ;;
-  tpq) DUMP_AFTER_S=50 PYTHONPATH=$PWD/benchmarks/stack_dump:$PYTHONPATH pyt 170 -s tests/test_gpu_tensor_parallel.py -k "two_gpus and tiny_qwen3" ;;
+  tpq) pyt 240 -s tests/test_gpu_tensor_parallel.py -k "two_gpus and tiny_qwen3" ;;
   ncclonly) pyt 100 tests/test_weight_sync_gpu.py -k test_nccl_between_two_gpus ;;
   weightsync)
     step 200 6 python3 benchmarks/bench_weight_sync.py --model qwen2.5-7b --paths nccl
     step 200 6 python3 benchmarks/bench_weight_sync.py --model qwen2.5-7b --paths nccl --weight-update-backup auto ;;
   tpstacks) pyt 300 -s --timeout 120 tests/test_gpu_tensor_parallel.py -k "two_gpus and tiny_qwen3 and triton" ;;
-  tptests) pyt 260 tests/test_gpu_tensor_parallel.py -k "two_gpus or per_rank" ;;
+  tptests) pyt 450 tests/test_gpu_tensor_parallel.py -k "two_gpus or per_rank" ;;
   compat) pyt 150 tests/compat/test_sglang_weights_distributed.py -k nccl ;;
   killed) pyt 150 tests/test_weight_sync_gpu.py -k killed ;;
   ncclsync) pyt 150 tests/test_weight_sync_gpu.py -k "nccl and not killed" ;;
