@@ -100,6 +100,41 @@ def test_auto_backup_keeps_old_values_on_the_device_while_it_has_room(tiny_qwen3
     assert _same(gpu_model, before)
 
 
+class _OneBigWeight(torch.nn.Module):
+    """The part of a model a WeightTransaction uses, around one 64 MiB weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1 << 24, device="cuda"), requires_grad=False)
+
+    def hf_weight(self, name: str) -> torch.Tensor:
+        return self.weight
+
+    def is_ignored_weight(self, name: str) -> bool:
+        return False
+
+    def load_weights(self, weights) -> None:
+        for _, tensor in weights:
+            self.weight.copy_(tensor)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("finish", ["commit", "rollback"])
+def test_a_device_backup_gives_its_memory_back_to_the_device(finish):
+    # What needs it next (the KV cache resumed through torch-memory-saver, a trainer on the
+    # same GPU) allocates outside torch's cache of free blocks.
+    model, new = _OneBigWeight(), torch.ones(1 << 24, device="cuda")
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    txn = WeightTransaction(model, "device")
+    txn.load("weight", new)
+    assert torch.cuda.memory_reserved() >= reserved + new.nbytes
+    getattr(txn, finish)()
+    assert torch.equal(model.weight, new if finish == "commit" else torch.zeros_like(new))
+    assert torch.cuda.memory_reserved() <= reserved
+
+
 def test_without_backup_a_written_update_reports_what_it_lost(model):
     before = _snapshot(model)
     txn = WeightTransaction(model, None)

@@ -103,17 +103,26 @@ class WeightTransaction:
             self.model.hf_weight(name).copy_(saved, non_blocking=True)
         self.wait()
         complete = not self.unrecoverable()
-        self._saved.clear()
+        self._drop_saved()
         self.loaded.clear()
         return complete
 
     def commit(self) -> list[str]:
         """Keeps what was loaded; returns the names written."""
         self.wait()
-        self._saved.clear()
+        self._drop_saved()
         names = list(self.loaded)
         self.loaded.clear()
         return names
+
+    def _drop_saved(self) -> None:
+        on_device = any(saved.is_cuda for saved in self._saved.values())
+        self._saved.clear()
+        if on_device:
+            # Device backups go back to the device, not to torch's cache of free blocks: what
+            # needs them next is allocated outside it (the KV cache resumed after training,
+            # through torch-memory-saver, or a trainer sharing the GPU).
+            torch.cuda.empty_cache()
 
     def wait(self) -> None:
         """Returns once every queued load and restore is done: only then may the sender reuse
