@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
     parser.add_argument("--compare", choices=["hf"], help="also time transformers generate")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
+    parser.add_argument("--enable-flashinfer-allreduce-fusion", action="store_true")
     args = parser.parse_args()
     if args.output_len < 2:
         parser.error(f"--output-len must be >= 2, got {args.output_len}")
@@ -120,6 +121,7 @@ def main() -> None:
         "disable_radix_cache": True,
         "max_total_tokens": 8 * (args.input_len + args.output_len),
         "tp_size": args.tp_size,
+        "enable_flashinfer_allreduce_fusion": args.enable_flashinfer_allreduce_fusion,
     }
     if not os.path.isdir(model):
         if model.lower() not in REAL_CONFIGS:

@@ -198,6 +198,7 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add("--skinny-gemm-max-rows", type=int, default=kernels.skinny_gemm_max_rows)
     add("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
     add("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
+    add("--enable-flashinfer-allreduce-fusion", action="store_true")
     args = parser.parse_args()
     resolve_lengths(parser, args)
     if args.poll_ms is not None and args.poll_ms <= 0:
@@ -221,6 +222,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
         "triton_decode_max_batch": args.triton_decode_max_batch,
         "tp_size": args.tp_size,
+        "enable_flashinfer_allreduce_fusion": args.enable_flashinfer_allreduce_fusion,
     }
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens

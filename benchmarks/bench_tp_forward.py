@@ -65,6 +65,7 @@ def _rank(rank: int, args: argparse.Namespace, path: str, port: int, results) ->
         model_path=path, load_format="dummy", dtype="bfloat16", device=f"cuda:{rank}",
         tp_size=args.tp_size, max_total_tokens=16384, cuda_graph_max_bs=args.batch,
         attention_backend=args.attention_backend,
+        enable_flashinfer_allreduce_fusion=args.enable_flashinfer_allreduce_fusion,
     )  # fmt: skip
     config = AutoConfig.from_pretrained(path)
     runner = ModelRunner(options, config, config.max_position_embeddings, [], tp)
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-collectives", action="store_true")
+    parser.add_argument("--enable-flashinfer-allreduce-fusion", action="store_true")
     args = parser.parse_args()
     if torch.cuda.device_count() < args.tp_size:
         parser.error(f"--tp-size {args.tp_size} needs as many GPUs, found {torch.cuda.device_count()}")
@@ -107,7 +109,8 @@ def main() -> None:
     times = dict(results.get(timeout=900) for _ in procs)
     print(json.dumps({
         "bench": "tp_forward", "model": args.model, "tp_size": args.tp_size, "batch": args.batch,
-        "collectives": not args.no_collectives, "replay_ms": round(times[0], 4),
+        "collectives": not args.no_collectives,
+        "allreduce_fusion": args.enable_flashinfer_allreduce_fusion, "replay_ms": round(times[0], 4),
         "replay_ms_by_rank": [round(times[r], 4) for r in sorted(times)],
         "device": torch.cuda.get_device_name(0),
     }), flush=True)  # fmt: skip

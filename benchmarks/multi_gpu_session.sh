@@ -7,7 +7,8 @@
 # with every process's stacks dumped after 70 s), ncclonly, killed, compat, ncclsync, tptests,
 # tpq, tpstacks, real (pytest selections of the two-GPU cases), three (needs three GPUs), latency, tpfwd
 # (tp 1 against tp 2), weightsync, remote, pool (two replicas, one GPU each), llama
-# (500 x 4096/2048 at tp 1 and tp 2), tpfwd2 (tp 2 alone). STACKS=N: every process started
+# (500 x 4096/2048 at tp 1 and tp 2), tpfwd2 (tp 2 alone), fusion (FlashInfer's all-reduce
+# fusion: the forward, the step, the bf16 tests). STACKS=N: every process started
 # writes its threads' stacks into the log N seconds after it starts (benchmarks/stack_dump).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -60,6 +61,10 @@ for part in "$@"; do
     step 150 2 python3 benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 1
     step 150 2 python3 benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 2
     step 150 2 python3 benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 2 --no-collectives ;;
+  fusion)  # enable_flashinfer_allreduce_fusion against the NCCL all-reduce
+    step 240 2 python3 benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 2 --enable-flashinfer-allreduce-fusion
+    step 200 4 python3 benchmarks/bench_latency.py --model qwen2.5-7b --tp-size 2 --enable-flashinfer-allreduce-fusion
+    pyt 250 tests/test_gpu_real_configs.py -k "tp2" ;;
   tpfwd2) step 150 60 python3 benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 2 ;;
   remote) step 200 6 python3 trainers_examples/remote_trainer.py --device cuda:0 --trainer-device cuda:1 --steps 3 ;;
   pool)

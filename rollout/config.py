@@ -97,6 +97,13 @@ class KernelOptions:
         "whatever else is batched, with or without the prefix cache, chunked prefill or CUDA "
         "graphs; replaces the attention backend choice (also deterministic_inference=True)",
     )
+    enable_flashinfer_allreduce_fusion: bool = _opt(
+        False,
+        "with tensor parallelism on GPUs (bf16/fp16), sum each row-parallel projection over "
+        "the ranks, add the residual and RMS-normalise in one FlashInfer kernel (peer to peer "
+        "over NVLink) for batches of up to FUSED_MAX_TOKENS (forward/all_reduce_norm.py), "
+        "instead of an NCCL all-reduce and a norm kernel; nothing to fuse at tp_size 1",
+    )
 
     def __post_init__(self) -> None:
         for name in ("attention_backend", "decode_attention_backend"):

@@ -180,11 +180,33 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
         "skinny_gemm_min_weight": SKINNY_MIN_WEIGHT,
         "cuda_graphs": True, "cuda_graph_max_bs": 256, "sampling_kernel": True,
         "sampling_kernel_min_rows": 32, "deterministic_inference": False,
+        "allreduce_fusion": False,
     }  # fmt: skip
     assert str(plan) == (
         "attention flashinfer, decode triton up to batch 32, fused kernels on, skinny GEMM up to "
         "16 rows, CUDA graphs up to batch 256, sampling kernel"
     )
+
+
+def test_allreduce_fusion_runs_where_gpu_ranks_can_and_is_refused_clearly_elsewhere(packages):
+    packages("flashinfer", "triton")
+    fusion = {"enable_flashinfer_allreduce_fusion": True}
+    plan = plan_for(CUDA, torch.bfloat16, tp_size=2, **fusion)
+    assert plan.allreduce_fusion and str(plan).endswith(", all-reduce fused with the norms")
+    assert plan_for(CUDA, torch.float16, tp_size=2, **fusion).allreduce_fusion
+    assert not plan_for(CUDA, torch.bfloat16, tp_size=2).allreduce_fusion  # not asked
+    assert not plan_for(CUDA, torch.bfloat16, **fusion).allreduce_fusion  # tp 1: nothing to fuse
+    refusals = [
+        (CPU, torch.bfloat16, {}, "on GPUs over NCCL"),
+        (CUDA, torch.bfloat16, {"tp_backend": "gloo"}, "on GPUs over NCCL"),
+        (CUDA, torch.float32, {}, "bfloat16 or float16, got float32"),
+    ]
+    for device, dtype, extra, why in refusals:
+        with pytest.raises(ValueError, match=f"enable_flashinfer_allreduce_fusion needs.*{why}"):
+            plan_for(device, dtype, tp_size=2, **fusion, **extra)
+    packages("triton")
+    with pytest.raises(ValueError, match="pip install flashinfer-python"):
+        plan_for(CUDA, torch.bfloat16, tp_size=2, attention_backend="triton", **fusion)
 
 
 class _Recorder(attention.AttentionBackend):
@@ -267,7 +289,7 @@ def test_options_validate_backend_and_graph_size():
     assert routing == [
         "attention_backend", "decode_attention_backend", "triton_decode_max_batch",
         "skinny_gemm_max_rows", "disable_cuda_graph", "cuda_graph_max_bs",
-        "enable_deterministic_inference",
+        "enable_deterministic_inference", "enable_flashinfer_allreduce_fusion",
     ]  # fmt: skip
     assert set(routing) <= set(flat) and len(flat) == len(set(flat))
     with pytest.raises(ValueError, match="attention_backend must be one of"):

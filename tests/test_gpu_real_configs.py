@@ -81,6 +81,10 @@ BACKENDS = {
     "torch": {"attention_backend": "torch"},
     # Two ranks on two GPUs over NCCL, with CUDA graphs: the all-reduce in bf16.
     "flashinfer-tp2": {"attention_backend": "flashinfer", "tp_size": 2},
+    # The same with each all-reduce, residual add and norm in one FlashInfer kernel.
+    "flashinfer-tp2-fused": {
+        "attention_backend": "flashinfer", "tp_size": 2, "enable_flashinfer_allreduce_fusion": True,
+    },
 }
 
 
@@ -94,6 +98,8 @@ def test_bf16_logprobs_match_transformers_on_real_shapes(real_checkpoint, backen
     params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     options = {"dtype": "bfloat16", "device": "cuda", "max_total_tokens": 8192, "cuda_graph_max_bs": 8}
     with RolloutEngine(path, **options, **BACKENDS[backend]) as engine:
+        fused = BACKENDS[backend].get("enable_flashinfer_allreduce_fusion", False)
+        assert engine.get_server_info()["kernel_plan"]["allreduce_fusion"] == fused
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     ours, theirs, truth = [], [], []
     for ids, out in zip(prompts, outs):

@@ -60,6 +60,10 @@ def two_ranks(tiny_llama, tiny_qwen2, tiny_qwen3, tmp_path_factory) -> list[dict
             "load_format": "dummy",
             "perturb": 0.1,
         },
+        # Each row-parallel sum done by the norm after it (forward/all_reduce_norm.py).
+        "qwen3 deferred all-reduces": {
+            "path": tiny_qwen3, "perturb": 0.05, "defer_all_reduces": True,
+        },  # fmt: skip
         # One KV head for two ranks (replicated), and a vocabulary that does not split evenly.
         "qwen2 one kv head, odd vocab": {
             "path": tiny_qwen2,
@@ -94,6 +98,16 @@ def _check_logits(results: list[dict], case: str) -> None:
 )
 def test_two_ranks_match_the_whole_model_through_prefill_and_decode(two_ranks, case):
     _check_logits(two_ranks, case)
+
+
+def test_all_reduces_deferred_to_the_norms_give_the_same_bits(two_ranks):
+    # Unfused (gloo, float32), the deferred sums are the same operations in the same order.
+    _check_logits(two_ranks, "qwen3 deferred all-reduces")
+    for rank in two_ranks:
+        got = rank["qwen3 deferred all-reduces"]
+        # Both norms of every layer but layer 0's input norm, and the final norm.
+        assert got["summing_norms"] == 2 * got["layers"]
+        assert got["deferred_diff"] == 0.0
 
 
 @pytest.mark.parametrize("case", ["qwen3", "llama"])

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from forward_helpers import forward_batch
 
+from rollout.forward.all_reduce_norm import AllReduceNorm
 from rollout.forward.forward_batch import ForwardMode
 from rollout.forward.kv_pool import KVPool, ReqToTokenPool
 from rollout.forward.tensor_parallel import SINGLE, TPGroup
@@ -99,7 +100,7 @@ def run_case(case: dict[str, Any], tp: TPGroup) -> dict[str, Any]:
         perturb(ref, model, case["perturb"])
     want = prefill_and_decode(ref, config.vocab_size)
     got = prefill_and_decode(model, config.vocab_size)
-    return {
+    result = {
         "shape": list(got.shape),
         "want_shape": list(want.shape),
         "err": (got - want).abs().max().item(),
@@ -107,6 +108,15 @@ def run_case(case: dict[str, Any], tp: TPGroup) -> dict[str, Any]:
         "local_heads": model.num_local_heads,
         "local_kv_heads": model.num_local_kv_heads,
     }
+    if case.get("defer_all_reduces"):
+        # The same shard again, its all-reduces done by the norms after them (unfused here).
+        model.model.defer_all_reduces(AllReduceNorm(tp))
+        deferred = prefill_and_decode(model, config.vocab_size)
+        result["deferred_diff"] = (deferred - got).abs().max().item()
+        norms = [m for m in model.modules() if getattr(m, "all_reduce", None) is not None]
+        result["summing_norms"] = len(norms)
+        result["layers"] = config.num_hidden_layers
+    return result
 
 
 def run_rank(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:

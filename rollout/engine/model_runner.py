@@ -21,6 +21,7 @@ from rollout.engine.req import Req, ScheduleBatch
 from rollout.engine.sampling_head import SamplingHead
 from rollout.engine.tp_steps import StepSender
 from rollout.forward import memory_regions
+from rollout.forward.all_reduce_norm import AllReduceNorm
 from rollout.forward.attention import AttentionShape, create_attention_backend
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout.forward.kernel_plan import resolve_kernel_plan
@@ -121,6 +122,9 @@ class ModelRunner:
             self.model, plan.fused_kernels, plan.skinny_gemm_max_rows, plan.skinny_gemm_min_weight,
             batch_invariant=plan.deterministic_inference,
         )
+        if plan.allreduce_fusion:  # every rank together, before the graphs capture the kernel
+            all_reduce = AllReduceNorm.flashinfer(self.tp, self.hf_config.hidden_size, self.dtype)
+            self.model.model.defer_all_reduces(all_reduce)
         self.graph_runner: CudaGraphRunner | None = None
         if plan.cuda_graphs:
             self.graph_runner = CudaGraphRunner(

@@ -58,6 +58,9 @@ class KernelPlan:
     # GEMM in every linear layer and the LM head, the deterministic attention backend for
     # every step, and torch's sampler (per row, whatever the batch: sampler.py) for every batch.
     deterministic_inference: bool = False
+    # Tensor parallelism: each row-parallel projection's all-reduce fused with the residual add
+    # and the norm after it (enable_flashinfer_allreduce_fusion; forward/all_reduce_norm.py).
+    allreduce_fusion: bool = False
 
     @property
     def decode_attention(self) -> DecodeChoice:
@@ -80,6 +83,7 @@ class KernelPlan:
             f"attention {self.attention_backend}, decode {self.decode_attention}, fused kernels "
             f"{fused}, skinny GEMM {skinny}, CUDA graphs {graphs}, sampling {sampling}"
             + (", deterministic inference" if self.deterministic_inference else "")
+            + (", all-reduce fused with the norms" if self.allreduce_fusion else "")
         )
 
 
@@ -118,7 +122,24 @@ def resolve_kernel_plan(
         cuda_graph_max_bs=min(max_bs, MAX_GRAPH_BATCH_SIZE) if graphs else 0,
         sampling_kernel=fused,
         sampling_kernel_min_rows=SAMPLING_KERNEL_MIN_ROWS,
+        allreduce_fusion=_allreduce_fusion(options, device, dtype),
     )
+
+
+def _allreduce_fusion(options: EngineOptions, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether enable_flashinfer_allreduce_fusion fuses here (there is nothing to fuse at
+    tp_size 1); ValueError, naming why, where it cannot run."""
+    if not options.kernels.enable_flashinfer_allreduce_fusion or options.parallel.tp_size == 1:
+        return False
+    name = "enable_flashinfer_allreduce_fusion"
+    if device.type != "cuda" or options.parallel.tp_backend == "gloo":
+        raise ValueError(f"{name} needs the ranks on GPUs over NCCL (tp_backend auto or nccl)")
+    if dtype not in (torch.bfloat16, torch.float16):
+        got = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{name} needs dtype bfloat16 or float16, got {got}")
+    if not attention.package_imports("flashinfer"):
+        raise ValueError(f"{name} runs FlashInfer's kernel: pip install flashinfer-python")
+    return True
 
 
 def _deterministic_plan(options: EngineOptions, device: torch.device) -> KernelPlan:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.forward.all_reduce_norm import AllReduceNorm
 from rollout.forward.kernel_plan import SKINNY_MIN_WEIGHT
 from rollout.forward.tensor_parallel import SINGLE, TPGroup, make_shard
 
@@ -111,6 +112,12 @@ class Linear(FusedOps, nn.Linear):
 
 
 class RMSNorm(FusedOps, nn.Module):
+    """`all_reduce`, when set (DecoderModel.defer_all_reduces), makes this the norm after a
+    row-parallel projection that no longer sums its output: x is then this rank's partial sum,
+    summed over the group here, with the residual add (forward/all_reduce_norm.py)."""
+
+    all_reduce: AllReduceNorm | None = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -121,6 +128,15 @@ class RMSNorm(FusedOps, nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., D]. Without a residual returns norm(x); with one, (norm(x + residual),
         x + residual): the sum is the next layer's residual, so it is made only once."""
+        if self.all_reduce is not None:
+            assert residual is not None, "a deferred all-reduce is summed with the residual"
+            return self.all_reduce(x, residual, self)
+        return self.add_norm(x, residual)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """forward's norm of x (reduced), with the residual added first when given."""
         if self.fused:
             return kernel("rmsnorm").rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -229,6 +245,10 @@ class RowParallelLinear(Linear):
         self.tp = tp
         self.hf_shards = {"weight": make_shard(1, start, stop, in_features)}
 
+    # False (DecoderModel.defer_all_reduces): the output is this rank's partial sum, which
+    # the norm after the layer sums over the group.
+    reduce = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / size] -> [T, out], the same on every rank
         if self.tp.size == 1:
@@ -237,7 +257,7 @@ class RowParallelLinear(Linear):
         out = linear(x, self.weight, bias, self.skinny_rows, self.batch_invariant)
         if self.lora is not None:  # this rank's partial delta, summed with the base partials
             self.lora.apply(x, out)
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
 class SiluAndMulMLP(FusedOps, nn.Module):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout.forward.all_reduce_norm import AllReduceNorm
 from rollout.forward.attention import Attention
 from rollout.forward.forward_batch import ForwardBatch
 from rollout.forward.tensor_parallel import SINGLE, Shard, TPGroup
@@ -145,6 +146,18 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def defer_all_reduces(self, all_reduce: AllReduceNorm) -> None:
+        """Each row-parallel projection (o_proj, down_proj) hands on its partial sums, and the
+        norm after it sums them over the group as it adds the residual: with `all_reduce`'s
+        fused kernel, one launch for the three (forward/all_reduce_norm.py)."""
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.o_proj.reduce = False
+            layer.mlp.down_proj.reduce = False
+            layer.post_attention_layernorm.all_reduce = all_reduce
+            if i > 0:  # layer 0's input is the embedding, summed by embed_tokens
+                layer.input_layernorm.all_reduce = all_reduce
+        self.norm.all_reduce = all_reduce
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch

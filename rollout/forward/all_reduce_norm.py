@@ -1,0 +1,68 @@
+"""AllReduceNorm: the sum over the tensor-parallel group of a row-parallel projection's partial
+outputs, fused with what follows it in every decoder layer: the residual add and the RMSNorm.
+
+At tp > 1 each o_proj and down_proj ends in an all-reduce, and the norm after it adds the
+residual and normalises: two launches, the first a collective whose cost at decode sizes is
+its latency. With a model's all-reduces deferred to its norms (DecoderModel.defer_all_reduces)
+the norm receives the unreduced partial sums and this does all three: in one FlashInfer kernel
+(TensorRT-LLM's all-reduce fusion, peers' buffers written directly over NVLink) for batches of
+up to FUSED_MAX_TOKENS rows, else the group's all-reduce followed by the norm's own kernel.
+Without a workspace (a CPU, gloo, float32) it is always the latter: the same operations as
+before the deferral, in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollout.forward.tensor_parallel import TPGroup
+
+if TYPE_CHECKING:
+    from rollout.models.layers import RMSNorm
+
+# Batches above this run the all-reduce and the norm apart: the fused kernel's workspace grows
+# with the rows it takes, and large prefill batches gain little from saving a launch.
+FUSED_MAX_TOKENS = 2048
+
+
+class AllReduceNorm:
+    def __init__(self, tp: TPGroup, workspace: object | None = None) -> None:
+        """workspace: FlashInfer's all-reduce fusion workspace for this rank (None: unfused)."""
+        self.tp = tp
+        self.workspace = workspace
+
+    @classmethod
+    def flashinfer(cls, tp: TPGroup, hidden: int, dtype: torch.dtype) -> AllReduceNorm:
+        """With FlashInfer's fused kernel: every rank of `tp` must call this together (the
+        ranks exchange their buffers' IPC handles), on its GPU, before any CUDA graph capture."""
+        from flashinfer.comm import create_allreduce_fusion_workspace
+
+        workspace = create_allreduce_fusion_workspace(
+            backend="trtllm", world_size=tp.size, rank=tp.rank, max_token_num=FUSED_MAX_TOKENS,
+            hidden_dim=hidden, dtype=dtype, group=tp.group,
+        )  # fmt: skip
+        return cls(tp, workspace)
+
+    @property
+    def fused(self) -> bool:
+        return self.workspace is not None
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this rank's partial sums [T, hidden]; residual: [T, hidden] -> (norm(sum + residual),
+        sum + residual), as norm(x, residual) returns for a reduced x."""
+        if self.workspace is None or not 0 < x.shape[0] <= FUSED_MAX_TOKENS:
+            return norm.add_norm(self.tp.all_reduce(x), residual)
+        from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion
+
+        out, summed = torch.empty_like(x), torch.empty_like(x)
+        allreduce_fusion(
+            input=x.contiguous(), workspace=self.workspace,
+            pattern=AllReduceFusionPattern.kARResidualRMSNorm, launch_with_pdl=False,
+            residual_out=summed, norm_out=out, residual_in=residual.contiguous(),
+            rms_gamma=norm.weight, rms_eps=norm.eps, fp32_acc=True,
+        )  # fmt: skip
+        return out, summed
