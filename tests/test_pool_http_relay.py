@@ -1,0 +1,298 @@
+"""`rollout router`'s relay of /generate (rollout/pool/generate_relay.py) over stand-in workers
+(aiohttp.web, no engine), served as the router serves it: the client's body reaches a worker as
+it was sent and the worker's answer comes back byte for byte; a retry on another worker says
+so; a worker's refusal comes back as the router's own; what is not relayed takes the app's
+path, its errors counted once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+
+import httpx
+import pytest
+from aiohttp import web
+
+from rollout.pool.dispatch import Dispatcher
+from rollout.pool.generate_relay import relay_front, until_disconnect
+from rollout.pool.http_replica import HttpReplica
+from rollout.pool.requests import relay_part
+from rollout.pool.router import Router
+from rollout.pool.supervisor import Supervisor
+from rollout.server.app import create_app
+from rollout.server.options import ServerOptions
+from rollout.server.streaming import ClientDisconnected
+
+WORKER_KEY, USER_KEY = "worker-key", "user-key"
+# Formatted as no JSON library of the router's would write it: spaces, an escape, -Infinity.
+ANSWER = b'{"text": "caf\\u00e9 \xc3\xa9",  "output_ids":[7],\n "meta_info": {"id": "w", "x": -Infinity}}'
+EVENTS = [b'data: {"text": "a", "meta_info": {"id": "w"}}\n\n',
+          b'data: {"text": "ab", "meta_info": {"id": "w"}}\n\n']  # fmt: skip
+
+
+class StandInWorker:
+    """A worker that answers /generate by its state and the request's rid, and records each
+    body it got; its /health and /get_server_info answer as a worker's do."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.auth: list[str | None] = []
+        self.dead = False
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.bodies.append(body)
+        self.auth.append(request.headers.get("Authorization"))
+        if self.dead:
+            return _error(503, "the engine is not serving")
+        fields = json.loads(body)
+        rid = fields.get("rid")
+        if rid in ("400", "401", "500"):
+            return _error(int(rid), f"refused with {rid}")
+        if not fields.get("stream"):
+            if isinstance(fields.get("input_ids", [0])[0], list):  # a part of a split batch
+                return web.json_response([{"output_ids": fields["input_ids"][0], "meta_info": {}}])
+            return web.Response(body=ANSWER, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in EVENTS:
+            await resp.write(event)
+        if rid == "midstream-error":
+            await resp.write(b'data: {"error": {"message": "the engine failed", "code": 500}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"tp_size": 1})
+
+
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "t", "code": status}}
+    return web.json_response(body, status=status)
+
+
+@pytest.fixture
+def workers():
+    """Two stand-in workers, each on a free port, served on a loop of its own thread."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    made, runners = [], []
+    for _ in range(2):
+        worker = StandInWorker()
+        app = web.Application()
+        app.router.add_post("/generate", worker.generate)
+        app.router.add_get("/health", worker.health)
+        app.router.add_get("/get_server_info", worker.server_info)
+        runner = web.AppRunner(app)
+        asyncio.run_coroutine_threadsafe(runner.setup(), loop).result(10)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        asyncio.run_coroutine_threadsafe(site.start(), loop).result(10)
+        port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the port bound
+        worker.url = f"http://127.0.0.1:{port}"
+        made.append(worker)
+        runners.append(runner)
+    yield made
+    for runner in runners:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+class StandInPool:
+    """What the router's app needs of its RolloutPool here (the app's own /generate path)."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    async def async_generate(self, request):
+        return await self.dispatcher.generate(request)
+
+    def is_alive(self) -> bool:
+        return True
+
+
+@contextlib.asynccontextmanager
+async def router(workers):
+    """An httpx client of the router's ASGI app (relay_front over the app) over `workers`."""
+    replicas = [HttpReplica(i, w.url, api_key=WORKER_KEY) for i, w in enumerate(workers)]
+    routing = Router(len(replicas))
+    supervisor = Supervisor(replicas, routing, health_check_s=0)
+    await supervisor.start_all()
+    dispatcher = Dispatcher(supervisor, routing, wait_s=0.5)
+    options = ServerOptions(api_key=USER_KEY, served_model_name="m")
+    app = create_app(StandInPool(dispatcher), options)
+    transport = httpx.ASGITransport(app=relay_front(app, dispatcher, options))
+    headers = {"Authorization": f"Bearer {USER_KEY}", "Content-Type": "application/json"}
+    try:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://router", headers=headers
+        ) as client:
+            client.routing = routing
+            client.metrics = app.state.metrics
+            yield client
+    finally:
+        await supervisor.stop()
+
+
+def _errors(client) -> dict[tuple[str, ...], float]:
+    counted = {}
+    for metric in client.metrics.errors.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                labels = sample.labels
+                counted[(labels["status_class"], labels["type"])] = sample.value
+    return counted
+
+
+def test_the_body_and_the_answer_pass_byte_for_byte(workers):
+    # Keys in an odd order, with spaces: what a worker gets is what the client sent.
+    sent = b'{"sampling_params": {"max_new_tokens": 1},  "input_ids": [5, 6, 7], "rid": "r-1"}'
+
+    async def run():
+        async with router(workers) as client:
+            answer = await client.post("/generate", content=sent)
+            assert answer.status_code == 200 and answer.content == ANSWER
+            assert answer.headers["content-type"] == "application/json"
+            unauthorized = await client.post(
+                "/generate", content=sent, headers={"Authorization": ""}
+            )
+            assert unauthorized.status_code == 401
+            return client.routing.stats()
+
+    stats = asyncio.run(run())
+    assert [w.bodies for w in workers] == [[sent], []]  # the 401 reached no worker
+    assert workers[0].auth == [f"Bearer {WORKER_KEY}"]
+    assert stats[0]["routed"] == 1 and stats[0]["load_tokens"] == 0 and stats[0]["in_flight"] == 0
+
+
+def test_a_request_whose_worker_died_is_retried_and_says_so(workers):
+    workers[0].dead = True
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+
+    async def run():
+        async with router(workers) as client:
+            answer = await client.post("/generate", json=body)
+            streamed = await client.post("/generate", json={**body, "stream": True})
+            return answer, streamed, client.routing.stats()
+
+    answer, streamed, stats = asyncio.run(run())
+    assert answer.status_code == 200
+    assert answer.json() == {**json.loads(ANSWER), "meta_info": {"id": "w", "x": -float("inf"),
+                                                                  "retried": True}}  # fmt: skip
+    assert len(workers[0].bodies) == 1 and len(workers[1].bodies) == 2
+    assert stats[0]["deaths"] == 1 and stats[0]["retried_elsewhere"] == 1
+    # Worker 0 was marked dead by the first request: the stream went to worker 1 alone.
+    events = [e for e in streamed.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and len(events) == len(EVENTS) + 1
+
+
+def test_a_stream_passes_event_by_event_and_an_error_event_ends_it(workers):
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}, "stream": True}
+
+    async def run():
+        async with router(workers) as client:
+            plain = await client.post("/generate", json=body)
+            failed = await client.post("/generate", json={**body, "rid": "midstream-error"})
+            return plain, failed, _errors(client)
+
+    plain, failed, errors = asyncio.run(run())
+    assert plain.content == b"".join(EVENTS) + b"data: [DONE]\n\n"
+    assert plain.headers["content-type"] == "text/event-stream; charset=utf-8"
+    events = [e for e in failed.text.split("\n\n") if e]
+    assert events[:2] == [e.decode().strip() for e in EVENTS] and events[-1] == "data: [DONE]"
+    error = json.loads(events[2][len("data: ") :])["error"]
+    assert error["code"] == 500 and "the engine failed" in error["message"]
+    assert errors == {("5xx", "server_error"): 1.0}
+
+
+@pytest.mark.parametrize(
+    "rid, status, kind, message",
+    [("400", 400, "invalid_request_error", "refused with 400"),
+     ("500", 500, "server_error", "refused with 500"),
+     ("401", 403, "permission_error", "refused the router's key")],
+)  # fmt: skip
+def test_a_workers_refusal_comes_back_with_its_message(workers, rid, status, kind, message):
+    async def run():
+        async with router(workers) as client:
+            answer = await client.post("/generate", json={"input_ids": [1], "rid": rid})
+            return answer, _errors(client)
+
+    answer, errors = asyncio.run(run())
+    assert answer.status_code == status
+    error = answer.json()["error"]
+    assert error["type"] == kind and message in error["message"] and error["code"] == status
+    assert errors == {(f"{status // 100}xx", kind): 1.0}  # counted once
+
+
+def test_a_batch_and_a_bad_body_take_the_apps_path(workers):
+    async def run():
+        async with router(workers) as client:
+            batch = await client.post("/generate", json={"input_ids": [[1, 2], [3, 4]]})
+            bad = await client.post("/generate", json={"input_ids": [1], "bogus": 1})
+            not_json = await client.post("/generate", content=b"{not json")
+            return batch, bad, not_json, _errors(client)
+
+    batch, bad, not_json, errors = asyncio.run(run())
+    assert [o["output_ids"] for o in batch.json()] == [[1, 2], [3, 4]]  # split over both
+    assert all(len(w.bodies) == 1 for w in workers)
+    assert bad.status_code == 400 and "bogus" in bad.json()["error"]["message"]
+    assert not_json.status_code == 400
+    assert errors == {("4xx", "invalid_request_error"): 2.0}  # each counted once
+
+
+def test_which_bodies_are_relayed():
+    def relayed(body: dict) -> bool:
+        return relay_part(body, json.dumps(body).encode()) is not None
+
+    assert relayed({"input_ids": [1, 2], "sampling_params": {"n": 4}})
+    assert relayed({"text": "a prompt", "stream": True, "rid": "r"})
+    assert relayed({"input_ids": [[1, 2]]})  # a batch of one: its answer is a list of one
+    assert not relayed({"input_ids": [[1, 2], [3]]})  # a batch: split over the workers
+    assert not relayed({"text": ["a", "b"]})
+    assert not relayed({"input_ids": [1, 2], "stream": True, "sampling_params": {"n": 2}})
+    assert not relayed({"input_ids": [[1, 2]], "stream": True})  # streamed with an index
+    assert not relayed({"input_ids": [1], "stream": 1})  # the app refuses or converts it
+    assert not relayed({"input_ids": [1], "bogus": True})
+    assert not relayed({"sampling_params": {}})  # no prompt
+
+
+def test_a_client_that_leaves_cancels_its_request(monkeypatch):
+    import rollout.pool.generate_relay as relay
+
+    monkeypatch.setattr(relay, "WATCH_AFTER_S", 0.0)
+
+    async def run():
+        cancelled = asyncio.Event()
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def work(turns: int):
+            try:
+                for _ in range(turns):
+                    await asyncio.sleep(0)
+                return "done"
+            finally:
+                cancelled.set()
+
+        with pytest.raises(ClientDisconnected):
+            await until_disconnect(receive, work(100))
+        assert cancelled.is_set()
+        # Done about when the client leaves: an answer stands (or the request counts as left),
+        # and nothing cancels this task later.
+        outcomes = set()
+        for turns in range(6):
+            try:
+                outcomes.add(await until_disconnect(receive, work(turns)))
+            except ClientDisconnected:
+                outcomes.add("left")
+            await asyncio.sleep(0.01)
+        assert outcomes == {"done", "left"}
+
+    asyncio.run(run())
