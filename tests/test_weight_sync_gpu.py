@@ -238,3 +238,42 @@ def test_release_frees_the_engines_memory_and_resume_serves_the_same_outputs(tin
             return await waiting
 
         assert [o["output_ids"] for o in asyncio.run(run())] == reference
+
+
+def test_a_paused_update_while_the_kv_cache_is_released_backs_up_on_the_device_and_frees_it(tmp_path):
+    # The colocated RL loop: the KV cache released for training, generation paused, new weights
+    # pushed. With weight_update_backup="auto" what they overwrite waits on the device (there is
+    # room), and goes back to the device, not into torch's cache, once they apply: resuming the
+    # KV cache (torch-memory-saver allocates outside that cache) must find it.
+    pytest.importorskip("torch_memory_saver")
+    from transformers import AutoConfig
+
+    from rollout.real_configs import write_config_checkpoint
+
+    path = write_config_checkpoint("qwen3-0.6b", str(tmp_path / "ckpt"))
+    options = dict(
+        dtype="bfloat16", device="cuda", load_format="dummy", weight_update_backup="auto",
+        max_total_tokens=16384,
+    )  # fmt: skip
+    with RolloutEngine(path, **options) as engine:
+
+        def rank() -> dict:
+            return engine.get_server_info()["ranks"][0]
+
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            trainer = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+        engine.release_memory_occupation(tags=["kv_cache"])
+        reserved, weights = rank()["memory_reserved_bytes"], rank()["weights_bytes"]
+        engine.pause_generation()
+        WeightSender(engine, method="tensor").push(trainer, weight_version="trained")
+        # Staged: written, with what they overwrote kept on the device until continue.
+        assert rank()["memory_reserved_bytes"] >= reserved + 0.9 * weights
+        engine.continue_generation()
+        assert rank()["memory_reserved_bytes"] <= reserved + (64 << 20)
+        engine.resume_memory_occupation(tags=["kv_cache"])
+        out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert out["meta_info"]["weight_version"] == "trained"
+        rows = engine.get_weights_by_name("model.layers.0.mlp.down_proj.weight", truncate_size=2)
+        want = trainer.model.layers[0].mlp.down_proj.weight[:2].float().cpu()
+        assert torch.equal(torch.tensor(rows, dtype=torch.float32), want)

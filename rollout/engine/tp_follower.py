@@ -95,15 +95,18 @@ class Follower:
 
 
 def rank_memory(runner: ModelRunner) -> dict[str, Any]:
-    """What one rank holds: its weights' and KV cache's bytes, and its device's allocated bytes."""
+    """What one rank holds: its weights' and KV cache's bytes, and its device's bytes allocated
+    by torch and reserved by torch's allocator (the allocated ones and its cache of free ones)."""
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    allocated = None
+    allocated = reserved = None
     if runner.device.type == "cuda":
         allocated = torch.cuda.memory_allocated(runner.device)
+        reserved = torch.cuda.memory_reserved(runner.device)
     return {
         "rank": runner.tp.rank,
         "device": str(runner.device),
         "weights_bytes": weights,
         "kv_cache_bytes": runner.kv_pool.nbytes,
         "memory_allocated_bytes": allocated,
+        "memory_reserved_bytes": reserved,
     }
