@@ -291,3 +291,32 @@ def test_a_request_running_across_an_update_says_where_its_adapter_changed(
     assert generate(engine)["meta_info"]["weight_version"] == "f-1"
     base = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
     assert base["meta_info"]["weight_version"] == "base-1"
+
+
+def test_repeated_pushes_serve_each_new_adapter_and_a_reloaded_one_is_checked_afresh(
+    engine, adapters, tiny_qwen3, tmp_path
+):
+    from rollout.weight_sync.sender import WeightSender
+
+    engine.update_weights_from_disk(adapters["a"], weight_version="c-0", lora_name="a")
+    sender = WeightSender(engine, method="tensor", lora_name="a")
+    try:
+        # The same names and shapes every push, as a trainer sends them step after step.
+        for step, name in enumerate(["t", "s", "t"], start=1):
+            sender.push(tensors_of(adapters[name]), weight_version=f"c-{step}")
+            out = generate(engine)
+            assert out["meta_info"]["weight_version"] == f"c-{step}"
+            assert_serves(out, tiny_qwen3, adapters[name])
+        # The adapter loaded again under its name at another rank: values of the old rank
+        # are refused, values of the new one serve.
+        r8 = make_peft_adapter(tiny_qwen3, str(tmp_path / "r8"), 8, 16, TARGETS, seed=8)
+        r8_new = make_peft_adapter(tiny_qwen3, str(tmp_path / "r8-new"), 8, 16, TARGETS, seed=9)
+        engine.unload_lora_adapter("a")
+        engine.load_lora_adapter("a", r8)
+        with pytest.raises(InvalidRequest, match="has shape"):
+            sender.push(tensors_of(adapters["t"]), weight_version="c-bad")
+        sender.push(tensors_of(r8_new), weight_version="c-4")
+        assert_serves(generate(engine), tiny_qwen3, r8_new)
+    finally:
+        sender.close()
+        engine.update_weights_from_disk(adapters["a"], lora_name="a")  # back to rank R

@@ -184,6 +184,56 @@ def test_a_kept_bucket_is_sent_without_copy_and_keeps_its_block():
     bucket.close()
 
 
+def test_a_bucket_fill_checks_every_tensor_before_copying_any():
+    bucket = FlatBucket.pack([("x", torch.ones(4)), ("y", torch.zeros(2, 3))], shared=False)
+    with pytest.raises(ValueError, match=r"y must be \[2, 3\], got \[3, 2\]"):
+        bucket.fill([("x", torch.full((4,), 2.0)), ("y", torch.ones(3, 2))])
+    with pytest.raises(ValueError, match="exactly the bucket's tensor names"):
+        bucket.fill([("x", torch.full((4,), 2.0)), ("z", torch.ones(2, 3))])
+    assert torch.equal(dict(bucket.views())["x"], torch.ones(4))  # nothing was copied
+
+
+class _RecordingEngine:
+    """What WeightSender needs of a float32 engine; keeps the blocks and values of each push."""
+
+    def __init__(self) -> None:
+        self.pushes: list[tuple[list[str], dict[str, torch.Tensor]]] = []
+
+    def get_server_info(self) -> dict:
+        return {"dtype": "float32"}
+
+    def update_weights_from_tensor(self, buckets, load_format=None, weight_version=None) -> dict:
+        values = {n: t.clone() for b in buckets for n, t in b.views()}
+        self.pushes.append(([b.block.name for b in buckets], values))
+        return {"success": True}
+
+
+def test_a_sender_keeps_its_buckets_while_the_names_and_shapes_repeat():
+    from rollout.weight_sync.sender import WeightSender
+
+    engine = _RecordingEngine()
+    sender = WeightSender(engine, method="tensor", bucket_bytes=100)  # a bucket or two each
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: torch.randn(s, generator=gen) for n, s in [("a", (4, 4)), ("b", (3,)), ("c", (2, 8))]}
+    pushes = [
+        weights,
+        {**weights, "b": torch.randn(3, generator=gen).to(torch.bfloat16)},  # cast to float32
+        {**weights, "c": torch.randn(8, 2, generator=gen)},  # a new shape: new buckets
+        {"a": weights["a"], "d": weights["b"], "c": weights["c"]},  # a new name: new buckets
+    ]
+    try:
+        for named in pushes:
+            sender.push(named)
+    finally:
+        sender.close()
+    blocks = [b for b, _ in engine.pushes]
+    assert len(blocks[0]) > 1 and blocks[1] == blocks[0]  # the same blocks: nothing reopened
+    assert blocks[2] != blocks[1] and blocks[3] != blocks[2]
+    for named, (_, got) in zip(pushes, engine.pushes):
+        assert got.keys() == named.keys()
+        assert all(torch.equal(got[n], t.float()) for n, t in named.items())
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [

@@ -165,24 +165,22 @@ class LoraManager:
 
     def check_values(self, name: str, shapes: Iterable[tuple[str, Sequence[int]]]) -> None:
         """InvalidRequest unless PEFT-named tensors of these shapes are new values for some
-        modules of loaded adapter `name` (AdapterSlots.check_values)."""
+        modules of loaded adapter `name` (AdapterSlots.check_values; the same names and shapes
+        as its last update are known good)."""
         self.check_request(name)
         try:
-            self.slots.check_values(name, shapes)
+            self.slots.value_writes(name, shapes)
         except AdapterError as e:
             raise InvalidRequest(f"LoRA adapter {name!r}: {e}") from None
 
     def write_values(self, name: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Writes checked new values (check_values) into adapter `name`'s slot; the number of
         modules written. The version is `publish`ed separately."""
-        named = list(tensors)
-        found = self.slots.check_values(name, [(n, tuple(t.shape)) for n, t in named])
-        modules: dict[str, dict[str, torch.Tensor]] = {}
-        for tensor_name, tensor in named:
-            module, kind = found[tensor_name]
-            modules.setdefault(module, {})[kind] = tensor
-        self.slots.write_values(name, {m: (ab["A"], ab["B"]) for m, ab in modules.items()})
-        return len(modules)
+        self.check_request(name)
+        try:
+            return self.slots.write_values(name, list(tensors))
+        except AdapterError as e:
+            raise InvalidRequest(f"LoRA adapter {name!r}: {e}") from None
 
     def read(self, name: str, path: str, roots: Sequence[str] | None) -> LoraAdapter:
         """The PEFT adapter in directory `path`, checked to replace loaded adapter `name`

@@ -22,7 +22,7 @@ adapters between steps, never while a batch that uses the slot is running.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,7 @@ from rollout.models.lora_adapter import (
     resolve_target_modules,
 )
 from rollout.models.lora_layer import LoraBatch, LoraLayer
+from rollout.models.lora_values import ValueKey, ValueWrites
 
 # Token rows the batch buffers hold in place: at least the largest CUDA-graph batch.
 DEFAULT_MAX_TOKENS = 1024
@@ -92,6 +93,8 @@ class AdapterSlots:
         self._targets: dict[str, tuple[LoraLayer, str]] = {}  # HF module -> (layer, part)
         self._slots: dict[str, int] = {}  # adapter name -> slot
         self._layouts: dict[str, AdapterLayout] = {}  # adapter name -> its rank, scale, modules
+        # Adapter name -> its last update's checked layout; dropped when it loads or unloads.
+        self._writes: dict[str, ValueWrites] = {}
         taken = [n for n, m in model.named_modules() if getattr(m, "lora", None) is not None]
         if taken:
             raise ValueError(f"{taken[0]} already has LoRA slots: detach them first")
@@ -185,6 +188,7 @@ class AdapterSlots:
                 )
             slot = free[0]
         self._clear(slot)
+        self._writes.pop(name, None)
         for module, (a, b) in adapter.modules.items():
             layer, part = self._targets[module]
             layer.write(slot, part, a, b, adapter.scale)
@@ -204,6 +208,7 @@ class AdapterSlots:
         slot = self.slot_of(name)
         del self._slots[name]
         del self._layouts[name]
+        self._writes.pop(name, None)
         self._clear(slot)
         self._publish()
 
@@ -255,15 +260,35 @@ class AdapterSlots:
                 )
         return found
 
-    def write_values(
-        self, name: str, modules: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
-    ) -> None:
-        """Copies new (A, B) values of some modules (checked by `check_values`) into loaded
-        adapter `name`'s slot; its other modules, rank and scale stay."""
-        slot, layout = self.slot_of(name), self.layout(name)
-        for module, (a, b) in modules.items():
+    def value_writes(self, name: str, shapes: Iterable[tuple[str, Sequence[int]]]) -> ValueWrites:
+        """`check_values` of PEFT-named tensors of these shapes, and where each is copied:
+        the same names and shapes as the adapter's last update reuse that one's, unchecked."""
+        key: ValueKey = tuple((tensor_name, tuple(shape)) for tensor_name, shape in shapes)
+        kept = self._writes.get(name)
+        if kept is not None and kept.key == key:
+            return kept
+        found = self.check_values(name, key)
+        slot, rank = self.slot_of(name), self.layout(name).rank
+        targets, shards = [], []
+        for tensor_name, _ in key:
+            module, kind = found[tensor_name]
             layer, part = self._targets[module]
-            layer.write(slot, part, a, b, layout.scale)
+            i = 0 if kind == "A" else 1
+            targets.append(layer.value_views(slot, part, rank)[i])
+            shards.append(layer.shards(part)[i])
+        modules = len({module for module, _ in found.values()})
+        self._writes[name] = ValueWrites(key, targets, shards, modules)
+        return self._writes[name]
+
+    def write_values(self, name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Copies new values of some modules (PEFT-named full tensors, any floating dtype) into
+        loaded adapter `name`'s slot, checked first as `check_values` does; its other modules,
+        rank and scale stay. Returns how many modules were written."""
+        writes = self.value_writes(name, [(n, t.shape) for n, t in tensors])
+        # NOTE: a slot's rows past its adapter's rank are zero from its load on, and an update
+        # keeps the rank: copying the first `rank` of them is the whole write.
+        writes.write([t for _, t in tensors])
+        return writes.modules
 
     def detach(self, model: nn.Module) -> None:
         """Takes the slots off `model`'s layers: it computes the base model only again."""

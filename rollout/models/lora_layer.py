@@ -159,6 +159,17 @@ class LoraLayer:
         rows[:, :r].copy_(b)
         self.scales[slot, p] = scale
 
+    def value_views(self, slot: int, part: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The views of `slot` that projection `part`'s A [rank, in] and B [out, rank] (this
+        rank's slices of them) are copied into, as `write` copies them."""
+        p = self.part_names.index(part)
+        first, size = self.part_rows[p]
+        return self.a[slot, p, :rank], self.b[slot, first : first + size, :rank]
+
+    def shards(self, part: str) -> tuple[Shard | None, Shard | None]:
+        """This rank's slices of projection `part`'s full A and B (None: all of it)."""
+        return self.a_shard, self.b_shards.get(part)
+
     def clear(self, slot: int) -> None:
         """Zeroes `slot`: its rows then add nothing."""
         self.a[slot].zero_()

@@ -47,6 +47,7 @@ from rollout.weight_sync.calls import (
     UpdateWeightsFromTensor,
 )
 from rollout.weight_sync.engine_port import AdapterPort, EnginePort
+from rollout.weight_sync.flat_bucket import FlatBucket
 from rollout.weight_sync.local_update import LocalUpdates
 from rollout.weight_sync.rank_sync import OtherRanks
 from rollout.weight_sync.specs import WeightSpec
@@ -142,7 +143,11 @@ class AdapterUpdates:
             yield _values(name, named, keep=False)  # received into buffers of its own
             return
         with local.tensor(call, self._check(name)) as update:
-            yield _values(name, list(update.tensors()), keep)
+            named = list(update.tensors())
+            try:
+                yield _values(name, named, keep)
+            finally:
+                _finish_reading(named)
 
     def _apply(
         self, name: str, write: Callable[[AdapterPort], object], call: AdapterCall, staged: bool
@@ -209,11 +214,18 @@ class AdapterUpdates:
         return {"lora_update_staged": sum(len(e.writes) for e in self.staged.values())}
 
 
+def _finish_reading(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Waits for the copies queued from `named`, the sender's memory: it may reuse that once
+    its call returns."""
+    for device in {t.device for _, t in named if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _values(
     name: str, named: list[tuple[str, torch.Tensor]], keep: bool
 ) -> Callable[[AdapterPort], int]:
     """The write of new values; with `keep`, of copies made now (the sender's buffers are
-    only ours until its call returns)."""
+    only ours until its call returns), in one buffer: one allocation and one batched copy."""
     if keep:
-        named = [(n, t.clone()) for n, t in named]
+        named = FlatBucket.pack(named, shared=False).views()
     return lambda adapters: adapters.write_values(name, named)

@@ -50,6 +50,7 @@ class FlatBucket:
         self.buffer = buffer
         self.entries = entries
         self.block = block  # set when the buffer is a host shared-memory block
+        self._views: list[torch.Tensor] | None = None  # each entry's view, made on first use
 
     @classmethod
     def allocate(cls, specs: Sequence[WeightSpec], device: torch.device | str, shared: bool = True) -> FlatBucket:
@@ -71,12 +72,16 @@ class FlatBucket:
         return cls(torch.empty(nbytes, dtype=torch.uint8, device=device), [])
 
     @classmethod
-    def pack(cls, named: Sequence[tuple[str, torch.Tensor]], device: torch.device | str | None = None) -> FlatBucket:
-        """A new bucket holding copies of `named` (on `device`, default the first tensor's)."""
+    def pack(
+        cls, named: Sequence[tuple[str, torch.Tensor]], device: torch.device | str | None = None,
+        shared: bool = True,
+    ) -> FlatBucket:  # fmt: skip
+        """A new bucket holding copies of `named` (on `device`, default the first tensor's;
+        `shared` as for `allocate`)."""
         if not named:
             raise ValueError("a bucket needs at least one tensor, got none")
         specs = [WeightSpec(n, tuple(t.shape), t.dtype) for n, t in named]
-        bucket = cls.allocate(specs, device or named[0][1].device)
+        bucket = cls.allocate(specs, device or named[0][1].device, shared)
         bucket.fill(named)
         return bucket
 
@@ -93,20 +98,26 @@ class FlatBucket:
         return raw.view(entry.spec.dtype).view(entry.spec.shape)
 
     def views(self) -> list[tuple[str, torch.Tensor]]:
-        return [(e.spec.name, self.view(e)) for e in self.entries]
+        return [(e.spec.name, view) for e, view in zip(self.entries, self._entry_views())]
+
+    def _entry_views(self) -> list[torch.Tensor]:
+        if self._views is None:
+            self._views = [self.view(e) for e in self.entries]
+        return self._views
 
     @torch.no_grad()
     def fill(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Copies each tensor (cast to its entry's dtype) into its place; names must be exactly
-        the bucket's."""
+        """Copies each tensor (cast to its entry's dtype) into its place, all in one batched
+        copy; names must be exactly the bucket's."""
         given = dict(named)
-        if set(given) != {e.spec.name for e in self.entries} or len(given) != len(named):
+        if len(given) != len(named) or given.keys() != {e.spec.name for e in self.entries}:
             raise ValueError("fill needs exactly the bucket's tensor names, once each")
-        for entry in self.entries:
-            src = given[entry.spec.name]
-            if tuple(src.shape) != entry.spec.shape:
+        sources = [given[e.spec.name] for e in self.entries]
+        for entry, src in zip(self.entries, sources):
+            if src.shape != entry.spec.shape:
                 raise ValueError(f"{entry.spec.name} must be {list(entry.spec.shape)}, got {list(src.shape)}")
-            self.view(entry).copy_(src, non_blocking=True)
+        if sources:
+            torch._foreach_copy_(self._entry_views(), sources, non_blocking=True)
 
     def close(self) -> None:
         """Frees a shared-memory buffer (a no-op for device buffers: they go with the object)."""
@@ -114,3 +125,4 @@ class FlatBucket:
             self.block.close()
             self.block = None
             self.buffer = torch.empty(0, dtype=torch.uint8)
+            self._views = None

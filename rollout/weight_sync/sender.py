@@ -92,6 +92,7 @@ class WeightSender:
         self.lora_name = lora_name
         self._lora: str | None = None  # the adapter the push under way goes to
         self._buckets: list[FlatBucket] = []
+        self._bucket_key: Any = None  # the names, shapes and device the kept buckets are for
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sender")
 
     # ---- distributed ------------------------------------------------------------------------
@@ -186,15 +187,15 @@ class WeightSender:
         )
         if as_is:
             return self.target.update_weights_from_tensor(named, weight_version=version, **self._lora_kw())
-        groups = self._bucket_groups(named)
         if not self.stream_buckets:
-            buckets = self._ensure_buckets(groups, named[0][1].device)
-            for bucket, group in zip(buckets, groups):
-                bucket.fill(group)
+            buckets, start = self._ensure_buckets(named), 0
+            for bucket in buckets:  # each holds the next run of `named`
+                bucket.fill(named[start : start + len(bucket.entries)])
+                start += len(bucket.entries)
             return self.target.update_weights_from_tensor(
                 buckets, "flattened_bucket", weight_version=version, **self._lora_kw()
             )
-        return self._push_streamed(groups, named[0][1].device, version)
+        return self._push_streamed(self._bucket_groups(named), named[0][1].device, version)
 
     def _push_streamed(self, groups: list, device: torch.device, version: str | None) -> dict:
         was_paused = self.target.get_server_info().get("generation_paused") is not None
@@ -226,13 +227,17 @@ class WeightSender:
             size += nbytes
         return groups
 
-    def _ensure_buckets(self, groups: list, device: torch.device) -> list[FlatBucket]:
-        """One kept bucket per group; made again only when the names, shapes or device change."""
-        wanted = [[WeightSpec(n, tuple(t.shape), self.dtype) for n, t in g] for g in groups]
-        have = [b.specs for b in self._buckets]
-        if have != wanted or any(b.device != device for b in self._buckets):
+    def _ensure_buckets(self, named: list) -> list[FlatBucket]:
+        """One kept bucket per group of `named` (_bucket_groups), in order; made again only
+        when the names, shapes or device change (a step's push repeats the last one's)."""
+        device = named[0][1].device
+        key = ([(n, t.shape) for n, t in named], device)
+        if key != self._bucket_key:
             self.free_buckets()
-            self._buckets = [FlatBucket.allocate(specs, device) for specs in wanted]
+            groups = self._bucket_groups(named)
+            specs = [[WeightSpec(n, tuple(t.shape), self.dtype) for n, t in g] for g in groups]
+            self._buckets = [FlatBucket.allocate(group, device) for group in specs]
+            self._bucket_key = key
         return self._buckets
 
     def _shared_bucket(self, specs: list[WeightSpec], device: torch.device) -> FlatBucket:
@@ -264,6 +269,7 @@ class WeightSender:
         for bucket in self._buckets:
             bucket.close()
         self._buckets = []
+        self._bucket_key = None
 
     def close(self) -> None:
         """Leaves the update group (the engine too) and frees the buckets."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from rollout.errors import InvalidRequest, InvalidRequestType
 from rollout.weight_sync.flat_bucket import FlatBucket
 from rollout.weight_sync.shared_memory import MappedBlock, check_block_name
 from rollout.weight_sync.specs import (
+    DTYPES,
     WeightSpec,
     check_name,
     check_unique,
@@ -40,6 +42,7 @@ MAX_TENSORS = 1_000_000
 _CUDA_INTS = ("device", "nbytes", "offset", "ref_counter_offset")
 _CUDA_BYTES = ("handle", "ref_counter_handle", "event_handle")
 _CUDA_KEYS = {*_CUDA_INTS, *_CUDA_BYTES, "event_sync_required"}
+_TENSOR_KEYS = {"name", "dtype", "shape", "buffer", "offset"}
 
 
 @dataclass(frozen=True)
@@ -115,18 +118,18 @@ def _check_cuda_buffer(b: Any) -> dict[str, Any]:
 
 
 def _check_tensor(t: Any, buffers: list[dict[str, Any]]) -> dict[str, Any]:
-    if not isinstance(t, dict) or set(t) != {"name", "dtype", "shape", "buffer", "offset"}:
+    # NOTE: runs for every tensor of every handoff, on both sides: plain checks, no objects.
+    if not isinstance(t, dict) or t.keys() != _TENSOR_KEYS:
         raise InvalidRequest("a tensor must be {name, dtype, shape, buffer, offset}")
     name = check_name(t["name"])
-    spec = WeightSpec(name, parse_shape(t["shape"], name), parse_dtype(t["dtype"]))
+    shape, dtype = parse_shape(t["shape"], name), parse_dtype(t["dtype"])
     index, offset = _int(t["buffer"], "buffer"), _int(t["offset"], "offset")
     if index >= len(buffers):
         raise InvalidRequest(f"{name}: buffer {index} does not exist ({len(buffers)} given)")
-    if offset % spec.dtype.itemsize or offset + spec.nbytes > buffers[index]["nbytes"]:
-        raise InvalidRequest(
-            f"{name}: {spec.nbytes} bytes at offset {offset} do not fit buffer {index}"
-        )
-    return {"name": name, "dtype": dtype_name(spec.dtype), "shape": list(spec.shape), "buffer": index, "offset": offset}
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offset % dtype.itemsize or offset + nbytes > buffers[index]["nbytes"]:
+        raise InvalidRequest(f"{name}: {nbytes} bytes at offset {offset} do not fit buffer {index}")
+    return {"name": name, "dtype": dtype_name(dtype), "shape": list(shape), "buffer": index, "offset": offset}
 
 
 # ---- sending ---------------------------------------------------------------------------------
@@ -262,10 +265,10 @@ def open_tensors(handles: TensorHandles) -> OpenedTensors:
     else:
         blocks = raws = [_open_cuda(b) for b in handles.buffers]
     named = []
-    for t in handles.tensors:
-        spec = WeightSpec(t["name"], tuple(t["shape"]), parse_dtype(t["dtype"]))
-        raw = raws[t["buffer"]][t["offset"] : t["offset"] + spec.nbytes]
-        named.append((spec.name, raw.view(spec.dtype).view(spec.shape)))
+    for t in handles.tensors:  # checked where the handles were built: no check again
+        dtype, offset = DTYPES[t["dtype"]], t["offset"]
+        raw = raws[t["buffer"]][offset : offset + math.prod(t["shape"]) * dtype.itemsize]
+        named.append((t["name"], raw.view(dtype).view(t["shape"])))
     return OpenedTensors(named, list(blocks))
 
 
