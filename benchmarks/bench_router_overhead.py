@@ -15,7 +15,6 @@ import argparse
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,46 +24,12 @@ import requests
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "8192"]
 WARMUP = 20  # requests to each side not counted
-START_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def start(args: list[str], port: int, log_dir: str) -> subprocess.Popen:
-    """`rollout ARGS --port PORT`, from the repository root, its output in LOG_DIR/PORT.log."""
-    with open(os.path.join(log_dir, f"{port}.log"), "w") as log:
-        cmd = [sys.executable, "-m", "rollout.cli", *args, "--port", str(port)]
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode} during start-up")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer /health in {START_TIMEOUT_S:.0f} s")
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def request_ms(session: requests.Session, url: str, i: int) -> float:
@@ -104,6 +69,7 @@ def main() -> None:
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
 
     sys.path.insert(0, REPO)
+    from benchmarks.bench_pool import start, stop, wait_healthy
     from rollout.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
@@ -115,9 +81,9 @@ def main() -> None:
         try:
             serve = ["serve", "--model-path", model_path, *WORKER_ARGS, *extra]
             procs.append(start(serve, worker_port, tmp))
-            wait_healthy(worker_url, procs[-1])
+            wait_healthy(worker_port, procs[-1])
             procs.append(start(["router", "--worker-urls", worker_url], router_port, tmp))
-            wait_healthy(router_url, procs[-1])
+            wait_healthy(router_port, procs[-1])
             direct, routed = measure(worker_url, router_url, args.requests)
         except BaseException:
             for name in sorted(os.listdir(tmp)):
