@@ -5,13 +5,13 @@ routes hand a large body's parts to it once the answer is sent."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import math
 import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 import rollout.server.json_body as json_body
 import rollout.server.json_parse as json_parse
 import rollout.server.json_release as json_release
+from rollout.engine.worker_calls import run_in
 from rollout.errors import InvalidRequest
 from rollout.server.app import create_app
 from rollout.server.json_body import LARGE_BODY_BYTES, collections_paused
@@ -381,11 +382,15 @@ def test_no_collection_runs_while_a_large_body_lives():
 class _RefusingEngine(_KeepingEngine):
     """Refuses a request from a worker thread whose frames hold it, as the engine's checks do."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.workers = ThreadPoolExecutor(1)
+
     async def async_generate(self, request: Any) -> dict:
         def check(request: Any) -> None:
             raise InvalidRequest(f"input_ids has {len(request.input_ids)} tokens: too many")
 
-        await asyncio.to_thread(check, request)
+        await run_in(self.workers, check, request)
         raise AssertionError("unreachable")
 
 

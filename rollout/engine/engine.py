@@ -27,6 +27,7 @@ from rollout.engine.processes import Addresses, start_process, stop_process
 from rollout.engine.request_limits import RequestLimits
 from rollout.engine.request_validation import build_inputs
 from rollout.engine.session_params import with_session
+from rollout.engine.worker_calls import run_in
 from rollout.errors import InvalidRequest
 from rollout.generate_request import GenerateRequest, takes_generate_request
 from rollout.weight_sync import calls
@@ -93,7 +94,7 @@ class RolloutEngine(ControlAPI):
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Awaits fn(*args, **kwargs) run on the engine's tokenizer threads: CPU work on a
         request (tokenizing, chat templates) that must not hold the caller's event loop."""
-        return await asyncio.wrap_future(self._workers.submit(fn, *args, **kwargs))
+        return await run_in(self._workers, fn, *args, **kwargs)
 
     # ---- generation -----------------------------------------------------------------------
     # The arguments are GenerateRequest's fields (rollout/generate_request.py), or one

@@ -30,6 +30,7 @@ from rollout.config import EngineOptions
 from rollout.control import ControlCall, control_method
 from rollout.control_api import ControlAPI
 from rollout.engine import loop_streams
+from rollout.engine.worker_calls import run_in
 from rollout.errors import InvalidRequest
 from rollout.generate_request import GenerateRequest, takes_generate_request
 from rollout.pool import pool_setup
@@ -158,7 +159,7 @@ class RolloutPool(ControlAPI):
         build_inputs(self.tokenizer, self.limits, replace(request, stream=False))
 
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.wrap_future(self._workers.submit(fn, *args, **kwargs))
+        return await run_in(self._workers, fn, *args, **kwargs)
 
     async def _restore(self, i: int) -> None:
         """A restarted replica i gets the pool's weights and version, then its adapters with
