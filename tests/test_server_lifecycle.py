@@ -150,16 +150,16 @@ def test_a_dead_scheduler_fails_health_at_once_and_the_server_exits_1(tiny_qwen3
         assert httpx.get(f"{url}/health").status_code == 200
         os.kill(scheduler, signal.SIGKILL)
         killed = time.monotonic()
-        status = None
-        while time.monotonic() - killed < 2:
+        answer = None  # the first that is not 200: 503, or "closed" when already exiting
+        while answer is None and time.monotonic() - killed < 5:  # a loaded 2-core machine
             try:
                 status = httpx.get(f"{url}/health", timeout=1).status_code
             except httpx.TransportError:
-                break  # already shutting down: the port is closed
-            if status != 200:
+                answer = "closed"
                 break
+            answer = None if status == 200 else status
             time.sleep(0.02)
-        assert status == 503, "/health kept answering 200 after the scheduler died"
+        assert answer in (503, "closed"), f"/health answered {answer or 200} 5 s after the scheduler died"
         assert proc.wait(timeout=20) == 1
     with open(log) as f:
         stderr = f.read()
