@@ -1,6 +1,8 @@
 """Profiles decode steps of the scheduler in-process: wall time per step and the top ops.
 
     python benchmarks/profile_step.py --model qwen3-0.6b --batch 64 --prompt-len 256
+    python benchmarks/profile_step.py --model qwen2.5-7b --batch 64 --lora-ranks 16 32 64 16
+    python benchmarks/profile_step.py --model qwen3-0.6b --batch 256 --deterministic-inference
 
 With --extend it profiles the prefill of the batch's prompts instead (chunked as the
 scheduler chunks them): wall time per extend step and the top ops over all of them.
@@ -16,8 +18,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from bench_lora import write_adapter  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 from rollout.config import CacheOptions, EngineOptions, KernelOptions  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
@@ -41,6 +46,9 @@ def main() -> None:
     parser.add_argument("--skinny-gemm-max-rows", type=int, default=kernels.skinny_gemm_max_rows)
     parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--trace", help="also write the profiled decode steps as a Chrome trace here")
+    parser.add_argument("--deterministic-inference", action="store_true", help="the batch-invariant kernels (issue 24)")
+    parser.add_argument("--lora-ranks", type=int, nargs="+", default=[],
+                        help="one random adapter (all projections) per rank given; the requests take them in turn")  # fmt: skip
     args = parser.parse_args()
     options = {
         "dtype": args.dtype,
@@ -49,12 +57,21 @@ def main() -> None:
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_total_tokens": args.batch * (args.prompt_len + 4 * args.steps) + 64,
         "disable_overlap_schedule": args.disable_overlap_schedule,
+        "deterministic_inference": args.deterministic_inference,
     }
     model = args.model
     if not os.path.isdir(model):
         model = write_config_checkpoint(model, tempfile.mkdtemp())
         options["load_format"] = "dummy"
     assert args.model in REAL_CONFIGS or os.path.isdir(args.model)
+    adapters = [f"a{i}" for i in range(len(args.lora_ranks))]
+    if adapters:
+        root, config = tempfile.mkdtemp(), AutoConfig.from_pretrained(model)
+        options.update(
+            enable_lora=True, max_loras_per_batch=len(adapters), max_lora_rank=max(args.lora_ranks),
+            lora_paths=[f"{a}={write_adapter(config, r, i, os.path.join(root, a))}"
+                        for i, (a, r) in enumerate(zip(adapters, args.lora_ranks))],
+        )  # fmt: skip
     proc = SchedulerProcess(EngineOptions.from_kwargs(model_path=model, **options))
     sched = proc.scheduler
     if args.extend:  # first compiles and lazy initialisation outside the profile
@@ -65,7 +82,8 @@ def main() -> None:
     for i in range(args.batch):
         ids = [rng.randrange(10000) for _ in range(args.prompt_len)]
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_new_tokens=4 * args.steps)
-        sched.add_request(TokenizedRequest(f"r{i}", ids, params, seed=i))
+        lora = adapters[i % len(adapters)] if adapters else None
+        sched.add_request(TokenizedRequest(f"r{i}", ids, params, seed=i, lora_name=lora))
     if args.extend:
         profile_extend(sched, args.batch * args.prompt_len)
         return
