@@ -21,7 +21,7 @@ from rollout.models.loader import load_model
 from rollout.weight_sync.flat_bucket import FlatBucket
 from rollout.weight_sync.specs import WeightSpec, build_specs, check_against_model
 from rollout.weight_sync.tensor_handles import TensorHandles, open_tensors, share_tensors
-from rollout.weight_sync.transaction import WeightTransaction
+from rollout.weight_sync.transaction import HostBuffers, WeightTransaction
 from rollout.weight_sync.update_group import UpdateGroup, WeightSyncError
 from rollout.weight_sync.versions import VersionLabels
 
@@ -80,6 +80,26 @@ def test_rollback_restores_every_weight_bitwise(model, backup):
     assert not _same(model, before)
     assert txn.rollback() is True
     assert _same(model, before)
+
+
+def test_host_backups_of_a_whole_model_share_one_buffer_of_its_size_update_after_update(model):
+    # Every weight written, rolled back, twice: the second update reuses the first's copies.
+    before = _snapshot(model)
+    params = list(model.parameters())
+    buffers = HostBuffers(params)
+    names = [n for n in model.hf_param_shapes() if not model.is_ignored_weight(n)]
+    for _ in range(2):
+        txn = WeightTransaction(model, "cpu", buffers)
+        for name in names:
+            txn.load(name, torch.randn_like(model.hf_weight(name)))
+        assert not _same(model, before)
+        assert txn.rollback() is True
+        assert _same(model, before)
+    copies = [buffers.like(n, model.hf_weight(n)) for n in names]
+    held = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in copies}
+    sizes = [p.numel() * p.element_size() for p in params]
+    assert len(held) <= 2  # one buffer; a tied weight's second name may take its own
+    assert sum(held.values()) <= sum(sizes) + 4 * HostBuffers.ALIGN * len(params) + max(sizes)
 
 
 @pytest.mark.gpu

@@ -74,7 +74,7 @@ class WeightSyncController:
         self.local = LocalUpdates(engine, self.groups, self._weights_released)
         self.adapters = AdapterUpdates(engine, lambda: self.local)
         self.others: OtherRankWeights | None = None  # the other tensor-parallel ranks
-        self.host_buffers = HostBuffers()
+        self.host_buffers = HostBuffers(list(self.model.parameters()))
         self.txn: WeightTransaction | None = None  # staged while paused
         self.txn_version: str | None = None
         self.paused_mode: str | None = None

@@ -49,7 +49,7 @@ class RankWeights:
         self.memory = MemoryOccupation(engine, options.enable_weights_cpu_backup)
         released = lambda: "weights" in self.memory.released  # noqa: E731
         self.local = LocalUpdates(engine, self.groups, released, rank, size)
-        self.host_buffers = HostBuffers()
+        self.host_buffers = HostBuffers(list(self.model.parameters()))
         self.txn: WeightTransaction | None = None
         self.missing: set[str] = set()  # weights whose values were lost (see the controller)
         self.joins: dict[str, tuple[Deferred, float]] = {}  # group -> (its join, deadline)

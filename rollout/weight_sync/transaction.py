@@ -27,22 +27,46 @@ def _room_on_device(view: torch.Tensor) -> bool:
 
 
 class HostBuffers:
-    """Host copies reused from one update to the next (pinned when the model is on a GPU:
-    pinning is slow to set up but makes the copies asynchronous)."""
+    """Host copies of a model's weights, reused from one update to the next: slices of one
+    buffer the size of the model's parameters, allocated at the first copy (pinned when the
+    model is on a GPU, which makes the copies asynchronous). One allocation, not one per
+    weight: torch's pinned allocator rounds each up to a power of two (a 7B model's weights
+    would pin nearly twice their size) and pinning is slow to set up, paid once here."""
 
-    def __init__(self) -> None:
+    ALIGN = 256  # bytes: where each slice starts
+
+    def __init__(self, params: list[torch.Tensor] | None = None) -> None:
+        """params: the model's parameters, which size the buffer (None: one buffer per copy)."""
+        self._capacity = 0
+        if params:  # slack for the alignment of every weight, views of fused parameters too
+            self._capacity = sum(p.numel() * p.element_size() + 4 * self.ALIGN for p in params)
+        self._flat: torch.Tensor | None = None
+        self._pinned = False
+        self._used = 0
         self._buffers: dict[str, torch.Tensor] = {}
 
     def like(self, name: str, src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+            buf = self._slice(src)
+            if buf is None:
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
             self._buffers[name] = buf
         return buf
 
-    def clear(self) -> None:
-        self._buffers.clear()
-
+    def _slice(self, src: torch.Tensor) -> torch.Tensor | None:
+        """A slice of the one buffer shaped as src, or None when it has no room left."""
+        if self._flat is None and self._capacity:
+            self._flat = torch.empty(self._capacity, dtype=torch.uint8, pin_memory=src.is_cuda)
+            self._pinned = src.is_cuda
+        nbytes = src.numel() * src.element_size()
+        if self._flat is None or self._pinned != src.is_cuda:
+            return None
+        start = -(-self._used // self.ALIGN) * self.ALIGN
+        if start + nbytes > self._capacity:
+            return None
+        self._used = start + nbytes
+        return self._flat[start : start + nbytes].view(src.dtype).view(src.shape)
 
 class WeightTransaction:
     def __init__(
