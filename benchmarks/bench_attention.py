@@ -12,7 +12,8 @@ into a fused qkv output) against a contiguous one. `--spread` draws each request
 uniformly from [1, 2 x context] instead (a workload's mix); `--split-keys 64 1024` times the
 Triton kernel once per piece length (keys per split-KV piece) instead of its default.
 `--kv-dtype fp8_e4m3` (or fp8_e5m2) keeps K and V in 8 bits, as kv_cache_dtype does, with bf16
-queries.
+queries. `--deterministic-configs` adds the deterministic mode's kernel (a decode as an extend
+of one token per request).
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ def main() -> None:
         "--triton-configs", nargs="*", default=[],
         help="Triton launches to time, each BLOCK_N,num_warps,num_stages (e.g. 64,4,3 128,8,2)",
     )  # fmt: skip
+    parser.add_argument(
+        "--deterministic-configs", nargs="*", default=None,
+        help="time the deterministic mode's kernel too: its default launch (no values) or each "
+        "BLOCK_M,BLOCK_N,num_warps,num_stages given (e.g. 16,64,4,3)",
+    )  # fmt: skip
     args = parser.parse_args()
     import flashinfer
 
@@ -179,6 +185,20 @@ def main() -> None:
         for suffix, config in configs.items():
             name = ("triton" if keys is None else f"triton-{keys}") + suffix
             kernels[name] = triton_kernel(keys, config)
+
+    if args.deterministic_configs is not None:
+        from rollout_kernels.deterministic_attention import deterministic_attention
+
+        ones = torch.ones(b, dtype=torch.int64, device=dev)
+        for text in args.deterministic_configs or [None]:
+            config = None
+            if text is not None:
+                block_m, block_n, warps, stages = map(int, text.split(","))
+                config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+            name = "deterministic" + ("" if text is None else f"-{text.replace(',', '-')}")
+            kernels[name] = (lambda c: lambda x: deterministic_attention(
+                x, k_cache, v_cache, req_to_token, rows, seq_lens, ones, rows, 1, scale, config=c,
+            ))(config)  # fmt: skip
 
     ref = reference(q, k_cache, v_cache, req_to_token, lengths, scale) if args.check else None
     for name, fn in kernels.items():

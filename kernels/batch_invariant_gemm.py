@@ -77,10 +77,13 @@ def batch_invariant_linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    tiles: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """x: [M, K], weight: [N, K] (rows contiguous), bias: [N] or None -> [M, N] in out_dtype
     (default x's dtype), accumulated in float32. `out` (a [M, N] view whose rows may be strided,
-    e.g. columns of a wider buffer) receives the result instead of a new tensor."""
+    e.g. columns of a wider buffer) receives the result instead of a new tensor. `tiles`
+    (default gemm_tiles') is for benchmarks: a row's result is invariant under any one tiling,
+    not across tilings."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"batch_invariant_linear needs x [M, K] and weight [N, K], got x {tuple(x.shape)}, "
@@ -100,7 +103,7 @@ def batch_invariant_linear(
         raise ValueError(f"batch_invariant_linear needs out [{m}, {n}] with contiguous rows, got {tuple(out.shape)}")
     if m == 0 or n == 0:
         return out
-    tiles = gemm_tiles(x.device, x.dtype)
+    tiles = tiles or gemm_tiles(x.device, x.dtype)
     grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]))
     _gemm_kernel[grid](
         x, weight, weight if bias is None else bias, out,

@@ -118,13 +118,16 @@ def deterministic_attention(
     max_extend_len: int,
     sm_scale: float,
     out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] (head dim contiguous), the new tokens of B requests back to back: request
     b owns rows extend_starts[b] : extend_starts[b] + extend_lens[b] (a decode: one row each).
     k_cache, v_cache: [slots, Hkv, D] contiguous, already holding every key of every request;
     req_to_token row req_pool_indices[b] lists them; seq_lens[b] = prefix + extend_lens[b].
     `max_extend_len` (a host int >= every extend_lens[b]) sizes the grid. Returns out [T, H, D]
-    in q's dtype; a request with seq_lens[b] == 0 (padding) gets zeros."""
+    in q's dtype; a request with seq_lens[b] == 0 (padding) gets zeros. `config` (BLOCK_M,
+    BLOCK_N and launch options, default attention_blocks') is for benchmarks: a token's output
+    is invariant under any one config, not across configs."""
     t, heads, dim = q.shape
     check_paged_inputs("deterministic_attention", q, k_cache, v_cache, req_to_token, "T")
     kv_heads = k_cache.shape[1]
@@ -133,8 +136,9 @@ def deterministic_attention(
     if t == 0 or batch == 0 or max_extend_len <= 0:
         return out
     block_m, block_n = attention_blocks(q.device, q.dtype)
+    config = {"BLOCK_M": block_m, "BLOCK_N": block_n, **(config or {})}
     group = heads // kv_heads
-    grid = (batch, kv_heads, triton.cdiv(max_extend_len * group, block_m))
+    grid = (batch, kv_heads, triton.cdiv(max_extend_len * group, config["BLOCK_M"]))
     _attention_kernel[grid](
         q, k_cache, v_cache, out,
         req_to_token, req_pool_indices, seq_lens, extend_lens, extend_starts,
@@ -143,6 +147,6 @@ def deterministic_attention(
         k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
         GROUP=group, HEAD_DIM=dim, USE_DOT=q.is_cuda,
         DOT_PRECISION=dot_precision(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), **config,
     )
     return out
