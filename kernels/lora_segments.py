@@ -8,8 +8,10 @@ grid. Base-only rows sort last and get no block. Every tensor here has a size fi
 number of rows and of slots, and is built by device ops alone: no host sync, so it can be made
 inside or outside a CUDA graph, into buffers a captured graph reads.
 
-A grid of cdiv(T, BLOCK_M) + S blocks always covers every slot's blocks (each slot wastes at
-most one partly filled block); the programs past block_end[S - 1] return at once.
+A grid of cdiv(T, BLOCK_M) + min(S, T) - 1 blocks always covers every slot's blocks: at most
+min(S, T) slots have rows, and the blocks of k slots with rows number at most cdiv(T, BLOCK_M)
++ k - 1 (cdiv(a) + cdiv(b) <= cdiv(a + b) + 1). The programs past block_end[S - 1] return at
+once; a decode of one row runs one block, whatever the slots.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class LoraSegments:
 
     def grid_blocks(self) -> int:
         """Program blocks along the rows that cover every slot's rows, whatever the slots."""
-        return triton.cdiv(self.num_tokens, self.block_m) + self.num_slots
+        t = self.num_tokens
+        return triton.cdiv(t, self.block_m) + min(self.num_slots, t) - 1 if t else 0
 
 
 def lora_segments(

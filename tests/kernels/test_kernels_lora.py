@@ -56,6 +56,25 @@ def test_segments_group_each_slots_rows_in_order(device):
     assert order[len(order) - len(base) :] == base  # base-only rows last, in order
 
 
+def test_the_grid_covers_every_slots_blocks_and_no_more_than_its_rows_need(device):
+    # The grid is fixed by the rows and slots alone (a CUDA graph replays it): it must cover
+    # the worst layout of those rows over the slots, and a decode row must not pay for the
+    # slots it does not use.
+    gen = torch.Generator().manual_seed(0)
+    for t, s in [(1, 9), (2, 2), (17, 2), (33, 2), (31, 16), (64, 9), (100, 3)]:
+        worst = 0
+        for _ in range(30):
+            # Rows spread so that as many slots as possible end just past a block boundary.
+            slots = torch.randint(0, s, (t,), generator=gen)
+            if t >= s:
+                slots[: s * (t // s)] = torch.arange(s).repeat_interleave(t // s)
+            seg = lora_segments(slots.to(device), num_slots=s, block_m=16)
+            worst = max(worst, seg.block_end[-1].item())
+            assert worst <= seg.grid_blocks()
+        assert seg.grid_blocks() == -(-t // 16) + min(s, t) - 1
+    assert lora_segments(torch.zeros(1, dtype=torch.long, device=device), 9).grid_blocks() == 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "split_k"), [(1, 2), (5, None), (40, 1), (40, 3)])
 def test_shrink_matches_torch(device, dtype, rows, split_k):
