@@ -1,0 +1,120 @@
+"""The LoRA kernels alone, per projection group of a real model: shrink and expand as a decode
+step runs them, and which launch settings would serve each best.
+
+    python benchmarks/bench_lora_kernels.py --model qwen2.5-7b --rows 1 64
+
+For each group (q/k/v, o, gate/up, down) and row count, in bfloat16, inside CUDA graphs: rows
+spread over --adapters slots of ranks --ranks (max rank --max-rank, as the engine's slots hold
+them), microseconds of rollout_kernels.lora_shrink + lora_expand with the engine's settings, of
+each alone, and, with --sweep, of every setting of SHRINK_SETTINGS x EXPAND_SETTINGS, the
+fastest named with its largest difference from the engine's settings' result. One JSON line per
+group and row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.bench_attention import time_ms  # noqa: E402
+from rollout.real_configs import REAL_CONFIGS  # noqa: E402
+
+SHRINK_SETTINGS = [
+    {"split_k": sk, "block_n": bn, "block_k": bk}
+    for sk, bn, bk in itertools.product((None, 1, 4), (16, 32), (128, 256))
+]
+EXPAND_SETTINGS = [{"block_n": bn, "num_warps": w} for bn, w in itertools.product((64, 128, 256), (4, 8))]
+
+
+def groups(cfg: dict) -> list[tuple[str, list[int], int]]:
+    """(name, output sizes of its projections, input features) of one layer's LoRA groups."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv = cfg.get("num_key_value_heads", heads) * head_dim
+    inter = cfg["intermediate_size"]
+    return [
+        ("qkv", [heads * head_dim, kv, kv], hidden),
+        ("o", [hidden], heads * head_dim),
+        ("gate_up", [inter, inter], hidden),
+        ("down", [hidden], inter),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(REAL_CONFIGS))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--max-rank", type=int, default=64)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for name, sizes, k in groups(REAL_CONFIGS[args.model]):
+        for rows in args.rows:
+            row = {"model": args.model, "group": name, "rows": rows, "adapters": args.adapters}
+            row.update(bench_group(sizes, k, rows, args))
+            print(json.dumps(row), flush=True)
+
+
+def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -> dict:
+    from rollout_kernels.lora_expand import OutputParts, lora_expand
+    from rollout_kernels.lora_segments import lora_segments
+    from rollout_kernels.lora_shrink import lora_shrink
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    s, p, r, n = args.adapters + 1, len(sizes), args.max_rank, sum(sizes)  # +1: the engine's spare slot
+    a = torch.randn(s, p * r, k, dtype=dtype, device=dev) / k**0.5
+    b = torch.randn(s, n, r, dtype=dtype, device=dev) / r**0.5
+    ranks = torch.tensor([args.ranks[i % len(args.ranks)] for i in range(s)], dtype=torch.int32, device=dev)
+    scales = torch.full((s, p), 2.0, dtype=torch.float32, device=dev)
+    parts = OutputParts.make(sizes, dev)
+    slots = torch.arange(rows, device=dev) % args.adapters  # every adapter in turn; one row: slot 0
+    segments = lora_segments(slots, s)
+    x = torch.randn(rows, k, dtype=dtype, device=dev)
+    start = torch.randn(rows, n, dtype=dtype, device=dev)
+    out = start.clone()  # added to by every timed call; reset before each comparison
+
+    def both(shrink: dict, expand: dict) -> torch.Tensor:
+        y = lora_shrink(x, a, segments, ranks, r, **shrink)
+        return lora_expand(y, b, out, segments, ranks, scales, parts, **expand)
+
+    def us(fn) -> float:
+        return round(time_ms(fn, calls=20, replays=5) * 1000, 1)
+
+    y = lora_shrink(x, a, segments, ranks, r)
+    row = {
+        "engine_us": us(lambda: both({}, {})),
+        "shrink_us": us(lambda: lora_shrink(x, a, segments, ranks, r)),
+        "expand_us": us(lambda: lora_expand(y, b, out, segments, ranks, scales, parts)),
+        "split_k": y.shape[0],
+    }
+    if not args.sweep:
+        return row
+    out.copy_(start)
+    want = both({}, {}).float() - start.float()  # the delta the engine's settings add
+    best = None
+    for shrink, expand in itertools.product(SHRINK_SETTINGS, EXPAND_SETTINGS):
+        try:
+            t = us(lambda sh=shrink, ex=expand: both(sh, ex))
+        except Exception:  # noqa: BLE001 - a setting that does not fit the device is skipped
+            continue
+        if best is None or t < best[0]:
+            best = (t, shrink, expand)
+    if best is not None:
+        t, shrink, expand = best
+        out.copy_(start)
+        err = ((both(shrink, expand).float() - start.float()) - want).abs().max().item()
+        row.update({"best_us": t, "best_shrink": shrink, "best_expand": expand, "max_diff": round(err, 4)})
+    return row
+
+
+if __name__ == "__main__":
+    main()
