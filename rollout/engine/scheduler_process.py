@@ -38,6 +38,7 @@ from rollout.engine.model_runner import ModelRunner
 from rollout.engine.processes import Addresses, watch_parent
 from rollout.engine.tp_follower import Follower, rank_memory
 from rollout.engine.tp_setup import OtherRanks, join_group
+from rollout.engine.warm_up import warm_up
 from rollout.engine.weight_sync_port import RanksPort, RunnerPort
 from rollout.errors import ControlError
 from rollout.forward.tensor_parallel import SINGLE, TPGroup
@@ -90,6 +91,7 @@ class SchedulerProcess:
         from rollout.weight_sync.controller import WeightSyncController
 
         mopts = options.model
+        self.options = options
         self.runner, tokenizer, eos = build_runner(options, tp)
         hf_config = self.runner.hf_config
         self.scheduler = Scheduler(options, self.runner, StopChecker(tokenizer, eos))
@@ -269,6 +271,8 @@ def run_scheduler_process(
             proc.weight_sync.use_other_ranks(RanksPort(proc.ranks))
             if proc.runner.lora is not None:  # adapters load on every rank, or on none
                 proc.runner.lora.use_other_ranks(RanksPort(proc.ranks))
+        if proc.runner.device.type == "cuda" and not options.scheduler.skip_server_warmup:
+            warm_up(proc.options, proc.runner, proc.scheduler.stop_checker)
         send.send_pyobj(SchedulerReady(proc.info))
         proc.loop(recv, send)
     except BaseException:  # noqa: BLE001 - every failure must reach the caller

@@ -1,0 +1,56 @@
+"""The warm-up (run on GPUs before the engine reports ready) leaves nothing behind: the engine's
+scheduler then serves exactly what an engine without it serves, with nothing cached, counted
+or held."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.config import EngineOptions
+from rollout.engine.messages import TokenizedRequest
+from rollout.engine.sampling_params import SamplingParams
+from rollout.engine.scheduler_process import SchedulerProcess
+from rollout.engine.warm_up import warm_up
+
+
+def _process(model: str, **options) -> SchedulerProcess:
+    opts = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096, **options}
+    return SchedulerProcess(EngineOptions.from_kwargs(model_path=model, **opts))
+
+
+def _serve(proc: SchedulerProcess) -> list[tuple[list[int], list[float]]]:
+    sched = proc.scheduler
+    prompts = [[5, 9, 2, 7, 1, 3], [5, 9, 2, 7, 4], [8, 8, 1]]
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.95, ignore_eos=True)
+        sched.add_request(TokenizedRequest(f"r{i}", ids, params, seed=100 + i, return_logprob=True))
+    outputs = {}
+    while sched.has_work():
+        for req in sched.step():
+            if req.finished:
+                out = sched.make_output(req)
+                outputs[req.rid] = (list(req.output_ids), out)
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_after_the_warm_up_the_engine_serves_as_one_without_it(tiny_qwen3, overlap):
+    options = {"disable_overlap_schedule": not overlap}
+    warmed, fresh = _process(tiny_qwen3, **options), _process(tiny_qwen3, **options)
+    rows = warmed.runner.req_to_token.available()
+    assert warm_up(warmed.options, warmed.runner, warmed.scheduler.stop_checker, rows=4) > 0
+    assert warmed.runner.req_to_token.available() == rows  # every table row given back
+    info, clean = warmed.scheduler.server_info(), fresh.scheduler.server_info()
+    counted = ("kv_free", "kv_cached", "prompt_tokens", "generated_tokens", "num_running")
+    assert {k: info[k] for k in counted} == {k: clean[k] for k in counted}
+    got, want = _serve(warmed), _serve(fresh)
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    assert [out.logprobs for _, out in got] == [out.logprobs for _, out in want]
+    assert all(out.cached_tokens == 0 for _, out in got[:1])  # nothing of the warm-up cached
+
+
+def test_an_embedding_model_warms_up_on_embed_requests(tiny_qwen2):
+    proc = _process(tiny_qwen2, is_embedding=True)
+    rows = proc.runner.req_to_token.available()
+    assert warm_up(proc.options, proc.runner, proc.scheduler.stop_checker, rows=3) == 3
+    assert proc.runner.req_to_token.available() == rows
