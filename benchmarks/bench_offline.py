@@ -240,7 +240,8 @@ def timed_run(engine: RolloutEngine, prompts: list[list[int]], params: list[dict
               args: argparse.Namespace) -> tuple[list[dict], float, float, dict]:  # fmt: skip
     """Warms up, then generates the workload once (polled with --poll-ms): (outputs, wall
     seconds, the device's busy seconds in that time, the engine's server info afterwards, with
-    "polls": how many get_server_info calls the run saw)."""
+    "polls": how many get_server_info calls the run saw, and "compiled": the Triton kernel
+    variants built during the run, by kernel)."""
     return_logprob = args.return_logprob
     # Warm-up with the workload's own sampling settings at its batch width, so that kernels
     # compiled on first use (Triton's sampling variants, the logprob head) are not timed.
@@ -250,7 +251,8 @@ def timed_run(engine: RolloutEngine, prompts: list[list[int]], params: list[dict
         return_logprob=return_logprob,
     )  # fmt: skip
     engine.flush_cache()  # the timed run reuses nothing the warm-up computed
-    busy = engine.get_server_info()["device_busy_s"]
+    before = engine.get_server_info()
+    busy = before["device_busy_s"]
     done, polls = threading.Event(), [0]
     poller = threading.Thread(target=poll, args=(engine, (args.poll_ms or 0) / 1000, done, polls))
     start = time.perf_counter()
@@ -262,7 +264,12 @@ def timed_run(engine: RolloutEngine, prompts: list[list[int]], params: list[dict
     if args.poll_ms:
         poller.join()
     info = engine.get_server_info()
-    return outs, seconds, info["device_busy_s"] - busy, {**info, "polls": polls[0]}
+    compiled = {
+        name: n - before.get("kernel_compiles_by_kernel", {}).get(name, 0)
+        for name, n in info.get("kernel_compiles_by_kernel", {}).items()
+    }
+    compiled = {name: n for name, n in compiled.items() if n}
+    return outs, seconds, info["device_busy_s"] - busy, {**info, "polls": polls[0], "compiled": compiled}
 
 
 def timing(outs: list[dict], seconds: float, busy: float) -> dict:
@@ -335,6 +342,8 @@ def main() -> None:
         "poll_ms": args.poll_ms,
         "polls": info["polls"],
         "retractions": info["retractions"],
+        # Triton kernel variants built inside the timed run (the scheduler process's), by kernel.
+        "compiled_in_run": info["compiled"],
     }
     if args.compare == "hf":
         from benchmarks.hf_baseline import hf_throughput

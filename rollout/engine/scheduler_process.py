@@ -23,6 +23,7 @@ from rollout.engine.control_calls import (
     GetServerInfo,
     Shutdown,
 )
+from rollout.engine.kernel_compiles import process_compiles
 from rollout.engine.lora_calls import LORA_CALLS
 from rollout.engine.messages import (
     AbortRequest,
@@ -92,6 +93,7 @@ class SchedulerProcess:
 
         mopts = options.model
         self.options = options
+        self.compiles = process_compiles.install()  # before the graphs' capture compiles
         self.runner, tokenizer, eos = build_runner(options, tp)
         hf_config = self.runner.hf_config
         self.scheduler = Scheduler(options, self.runner, StopChecker(tokenizer, eos))
@@ -154,7 +156,7 @@ class SchedulerProcess:
                 self.other_ranks_memory = [r.result for r in self.ranks.call("rank_memory")]
             ranks = [rank_memory(self.runner), *(self.other_ranks_memory or ())]
             info = {**self.info, **self.scheduler.server_info(), **self.weight_sync.info()}
-            return {**info, "ranks": ranks}
+            return {**info, **self.compiles.info(), "ranks": ranks}
         return self.weight_sync.run(call)
 
     @staticmethod
