@@ -230,6 +230,19 @@ def test_a_workers_refusal_comes_back_with_its_message(workers, rid, status, kin
     assert errors == {(f"{status // 100}xx", kind): 1.0}  # counted once
 
 
+@pytest.mark.parametrize("rid", [123, {"r": 1}, 1.5])
+def test_a_rid_that_is_no_string_is_refused_by_the_router_itself(workers, rid):
+    async def run():
+        async with router(workers) as client:
+            answer = await client.post("/generate", json={"input_ids": [1], "rid": rid})
+            return answer, _errors(client)
+
+    answer, errors = asyncio.run(run())
+    assert answer.status_code == 400 and "rid" in answer.json()["error"]["message"]
+    assert errors == {("4xx", "invalid_request_error"): 1.0}
+    assert [w.bodies for w in workers] == [[], []]
+
+
 def test_a_batch_and_a_bad_body_take_the_apps_path(workers):
     async def run():
         async with router(workers) as client:
