@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 import traceback
 from typing import Any
 
@@ -274,7 +275,9 @@ def run_scheduler_process(
             if proc.runner.lora is not None:  # adapters load on every rank, or on none
                 proc.runner.lora.use_other_ranks(RanksPort(proc.ranks))
         if proc.runner.device.type == "cuda" and not options.scheduler.skip_server_warmup:
+            start = time.perf_counter()
             warm_up(proc.options, proc.runner, proc.scheduler.stop_checker)
+            proc.info["warmup_s"] = round(time.perf_counter() - start, 3)
         send.send_pyobj(SchedulerReady(proc.info))
         proc.loop(recv, send)
     except BaseException:  # noqa: BLE001 - every failure must reach the caller
