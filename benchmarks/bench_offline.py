@@ -344,6 +344,7 @@ def main() -> None:
         "retractions": info["retractions"],
         # Triton kernel variants built inside the timed run (the scheduler process's), by kernel.
         "compiled_in_run": info["compiled"],
+        "warmup_s": info.get("warmup_s"),  # the engine's, before it reported ready (GPU)
     }
     if args.compare == "hf":
         from benchmarks.hf_baseline import hf_throughput
