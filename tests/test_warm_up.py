@@ -54,3 +54,12 @@ def test_an_embedding_model_warms_up_on_embed_requests(tiny_qwen2):
     rows = proc.runner.req_to_token.available()
     assert warm_up(proc.options, proc.runner, proc.scheduler.stop_checker, rows=3) == 3
     assert proc.runner.req_to_token.available() == rows
+
+
+def test_a_short_context_limits_the_warm_up_prompts(tiny_qwen3, caplog):
+    # Every prompt and its 2 new tokens fit the context: none is refused or cut short.
+    proc = _process(tiny_qwen3, context_length=40)
+    assert warm_up(proc.options, proc.runner, proc.scheduler.stop_checker, rows=2) > 0
+    assert "warm-up request" not in caplog.text
+    short = _process(tiny_qwen3, context_length=20)
+    assert warm_up(short.options, short.runner, short.scheduler.stop_checker) == 0

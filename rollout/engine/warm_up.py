@@ -61,8 +61,11 @@ def _phases(
     options: EngineOptions, runner: ModelRunner, rows: int
 ) -> Iterator[list[TokenizedRequest]]:
     """The requests, in phases run one after the other: a phase reuses what the last cached."""
-    vocab = runner.vocab_size
-    ids = [(7 + 13 * i) % vocab for i in range(PREFIX_TOKENS + 16)]
+    vocab, room = runner.vocab_size, runner.context_length - 2  # 2 new tokens each
+    if room < PROMPT_TOKENS + 16:  # a context this short runs no warm-up
+        return
+    ids = [(7 + 13 * i) % vocab for i in range(min(PREFIX_TOKENS + 16, room))]
+    prefix = len(ids) - 16
     seeds = iter(range(1 << 20))
 
     def request(tokens: list[int], logprobs: bool = False, **fields) -> TokenizedRequest:
@@ -89,7 +92,7 @@ def _phases(
     penalties = {"repetition_penalty": 1.1, "frequency_penalty": 0.1, "presence_penalty": 0.1}
     yield [request(p, temperature=0.8, logit_bias={1: 1.0}, **penalties) for p in prompts]
     # A prefill over a cached prefix: the prefix, then a prompt that extends it.
-    yield [request(ids[:PREFIX_TOKENS])]
+    yield [request(ids[:prefix])]
     yield [request(ids, logprobs=True)]
     # A decode batch past the largest CUDA graph runs eagerly.
     graphs = runner.graph_runner
