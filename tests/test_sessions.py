@@ -176,6 +176,10 @@ def test_bad_session_calls_are_refused_clearly(engine):
             engine.open_session(100, session_id="small")
         with pytest.raises(InvalidRequest, match="capacity_of_str_len must be an int >= 1"):
             engine.open_session(0)
+        with pytest.raises(InvalidRequest, match="session_id is not valid Unicode"):
+            engine.open_session(100, session_id="s\ud800")  # JSON's lone "\ud800": no answer holds it
+        with pytest.raises(InvalidRequest, match="is not open"):
+            engine.close_session("s\ud800")
         engine.generate(input_ids=_ids(60, 10), sampling_params=GREEDY, session_params={"id": sid}, rid="x")
         with pytest.raises(InvalidRequest, match="rid 'x' is already a turn"):
             engine.generate(input_ids=[5], sampling_params=GREEDY, session_params={"id": sid}, rid="x")

@@ -14,8 +14,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field, replace
 
-from rollout.control import is_int
+from rollout.control import is_int, nonempty_str
 from rollout.engine.messages import TokenizedRequest
+from rollout.engine.request_limits import check_unicode
 from rollout.errors import InvalidRequest
 
 
@@ -54,8 +55,9 @@ class SessionBook:
                 f"capacity_of_str_len must be an int >= 1 (the most tokens a turn may hold), "
                 f"got {capacity_of_str_len!r}"
             )
-        if session_id is not None and (not isinstance(session_id, str) or not session_id):
-            raise InvalidRequest(f"session_id must be a non-empty string, got {session_id!r}")
+        if session_id is not None:
+            nonempty_str(session_id, "session_id")
+            check_unicode(session_id, "session_id")  # open_session answers it
         session_id = session_id or uuid.uuid4().hex
         if session_id in self.sessions:
             raise InvalidRequest(f"session {session_id!r} is already open")
