@@ -74,3 +74,12 @@ def test_loading_is_admin_only_and_reads_only_under_the_roots(setup):
     assert _post(setup, "/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
     gone = _post(setup, "/generate", {"input_ids": PROMPT, "lora_path": "b", "sampling_params": params})
     assert gone.status_code == 400 and "no LoRA adapter named 'b'" in gone.text
+
+
+def test_a_name_no_answer_can_hold_is_refused_and_loads_nothing(setup):
+    body = b'{"lora_name": "s\\ud800", "lora_path": "%s"}' % setup["b"].encode()
+    refused = httpx.post(f"{setup['url']}/load_lora_adapter", content=body, timeout=60,
+                         headers={"Authorization": "Bearer admin", "content-type": "application/json"})  # fmt: skip
+    assert refused.status_code == 400 and "lora_name is not valid Unicode" in refused.text
+    models = httpx.get(f"{setup['url']}/v1/models", headers={"Authorization": "Bearer admin"})
+    assert models.status_code == 200 and len(models.json()["data"]) == 2
