@@ -110,6 +110,10 @@ def test_disk_reload_only_under_allowed_roots(admin, tiny_qwen3, roots):
 
 def test_version_publish_and_pause_continue(admin):
     assert admin.update_weight_version("published")["success"]
+    # Every output names the version: one that no JSON answer can hold is refused.
+    lone_surrogate = httpx.post(f"{admin.base_url}/update_weight_version", content=b'{"new_version": "v\\ud800"}',
+                                headers={"Authorization": "Bearer admin", "content-type": "application/json"})  # fmt: skip
+    assert lone_surrogate.status_code == 400 and "must be valid Unicode" in lone_surrogate.text
     assert admin.generate("v", GREEDY)["meta_info"]["weight_version"] == "published"
     assert admin.pause_generation(mode="retract")["success"]
     with pytest.raises(ValueError, match="mode"):

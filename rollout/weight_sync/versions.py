@@ -25,6 +25,11 @@ def check_version(value: Any, what: str = "weight_version") -> str | None:
         raise InvalidRequest(
             f"{what} must be a non-empty string of at most {MAX_LEN} characters, got {value!r}"
         )
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): no output could name it
+            raise InvalidRequest(f"{what} must be valid Unicode, got {value!r}") from None
     return value
 
 
