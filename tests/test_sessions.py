@@ -196,6 +196,23 @@ def test_bad_session_calls_are_refused_clearly(engine):
     _assert_pool_whole(engine)
 
 
+def test_a_refused_replace_forgets_nothing(engine):
+    """A replacing turn refused for its length (the session's ids and its own past the context)
+    leaves the turns it would have replaced."""
+    sid = engine.open_session(100_000)
+    try:
+        engine.generate(input_ids=_ids(65, 8), sampling_params=GREEDY, session_params={"id": sid}, rid="r0")
+        engine.generate(input_ids=[5], sampling_params=GREEDY, session_params={"id": sid, "rid": "r0"}, rid="r1")
+        too_long = [5] * (engine.info["context_length"] - 8)
+        with pytest.raises(InvalidRequest, match="leaves no room in the context"):
+            engine.generate(input_ids=too_long, session_params={"id": sid, "rid": "r0", "replace": True})
+        after = engine.generate(input_ids=[6], sampling_params=GREEDY, session_params={"id": sid, "rid": "r1"})
+        assert after["meta_info"]["prompt_tokens"] == 8 + 6 + 1 + 6 + 1
+    finally:
+        engine.close_session(sid)
+    _assert_pool_whole(engine)
+
+
 def test_a_running_turn_cant_be_continued_and_closing_aborts_it(engine):
     sid = engine.open_session(100_000)
     long = {"max_new_tokens": 400, "ignore_eos": True}

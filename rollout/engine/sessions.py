@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from rollout.control import is_int, nonempty_str
 from rollout.engine.messages import TokenizedRequest
 from rollout.engine.request_limits import check_unicode
+from rollout.engine.request_validation import validate_prompt_length
 from rollout.errors import InvalidRequest
 
 
@@ -69,10 +70,10 @@ class SessionBook:
         self._session(session_id)
         del self.sessions[session_id]
 
-    def begin_turn(self, treq: TokenizedRequest) -> TokenizedRequest:
+    def begin_turn(self, treq: TokenizedRequest, context_length: int) -> TokenizedRequest:
         """`treq` (rid set, session_params given) with the whole sequence it runs on as its
-        input ids; it is registered as a running turn. Raises InvalidRequest, registering
-        nothing, if the session or the turn it continues doesn't allow it."""
+        input ids; it is registered as a running turn. Raises InvalidRequest, changing
+        nothing, if the session, the turn it continues or the model's context doesn't allow it."""
         params = treq.session_params
         assert params is not None and treq.rid is not None
         session = self._session(params.id)
@@ -88,6 +89,7 @@ class SessionBook:
                 f"the turn would hold {len(ids)} tokens, more than session {params.id!r}'s "
                 f"capacity_of_str_len ({session.capacity})"
             )
+        validate_prompt_length(len(ids), context_length)
         if params.replace:
             old = session.turns[params.rid].children if params.rid else session.turns.keys()
             for rid in list(old):

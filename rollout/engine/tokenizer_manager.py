@@ -119,12 +119,7 @@ class TokenizerManager:
         seed = inp.params.seed if inp.params.seed is not None else self.next_seed()
         treq = replace(inp, rid=rid, seed=seed)
         if treq.session_params is not None:  # the session's earlier tokens, then this turn's
-            treq = self.sessions.begin_turn(treq)
-            try:
-                validate_for_model(treq, self.info["vocab_size"], self.info["context_length"])
-            except InvalidRequest:
-                self.sessions.end_turn(treq, None)
-                raise
+            treq = self.sessions.begin_turn(treq, self.info["context_length"])
         state = self.states[rid] = ReqState()
         total: ReqOutput | None = None  # every output so far, extended into the first
         finished = False
