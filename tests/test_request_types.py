@@ -14,7 +14,7 @@ from rollout import RolloutEngine
 from rollout.client import RolloutClient
 from rollout.control_api import ControlAPI
 from rollout.engine.messages import LogprobColumns, ReqOutput
-from rollout.errors import InvalidRequestType
+from rollout.errors import InvalidRequest, InvalidRequestType
 from rollout.generate_request import GenerateRequest
 from rollout.weight_sync import calls
 
@@ -92,6 +92,14 @@ def test_engine_takes_a_request_object_or_its_fields(engine):
     assert awaited["output_ids"] == by_fields["output_ids"]
     with pytest.raises(TypeError):
         engine.generate(input_ids=[5, 6, 7], no_such_field=1)
+
+
+@pytest.mark.parametrize("rid", ["same", ["d", "d"]])
+def test_a_batch_that_names_two_prompts_alike_is_refused_before_it_runs(engine, rid):
+    with pytest.raises(InvalidRequest, match="rid must name each prompt of a batch once"):
+        engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=GREEDY, rid=rid)
+    assert engine.get_server_info()["num_running"] == 0
+    assert engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=GREEDY, rid=["d0", "d1"])
 
 
 def test_return_text_in_logprobs_fills_each_entry_with_its_token_text(engine):

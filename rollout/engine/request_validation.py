@@ -53,9 +53,14 @@ def build_inputs(
     rids = request.rid if isinstance(request.rid, list) else [request.rid] * len(prompts)
     if len(rids) != len(prompts):
         raise InvalidRequest(f"rid has {len(rids)} entries for {len(prompts)} prompts")
-    for r in rids:
-        if r is not None:
-            check_unicode(r, "rid")
+    named = [r for r in rids if r is not None]
+    for r in named:
+        check_unicode(r, "rid")
+    if len(set(named)) < len(named):  # else the second sample is refused once the first runs
+        raise InvalidRequest(
+            f"rid must name each prompt of a batch once (a list of distinct rids, one per "
+            f"prompt, or none), got {request.rid!r:.200} for {len(prompts)} prompts"
+        )
     logprob_start_len = request.logprob_start_len
     if logprob_start_len is not None and logprob_start_len < 0:
         logprob_start_len = None  # SGLang's -1: no prompt logprobs
