@@ -209,6 +209,11 @@ def test_bad_input_is_a_clear_400(tokenizer):
         ),
         "text format": (dict(input="hi", text={"format": {"type": "yaml"}}), "yaml"),
         "no message": (dict(input=[], instructions="Be brief."), "no message"),
+        "required, no tools": (dict(input="hi", tool_choice="required"), "needs at least one tool"),
+        "named, no tools": (
+            dict(input="hi", tool_choice={"type": "function", "name": "f"}),
+            "not among the tools",
+        ),
     }
     for name, (kwargs, named) in bad.items():
         with pytest.raises(openai.BadRequestError, match=named):

@@ -96,7 +96,8 @@ def _chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompl
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": body.response_format(),
     }
-    if tools:
+    # Without tools, a tool_choice that needs one goes too: the chat route refuses it.
+    if tools or body.tool_choice != "auto":
         fields.update(tools=tools, tool_choice=body.chat_tool_choice())
     if body.stream:
         fields["stream_options"] = {"include_usage": True}
