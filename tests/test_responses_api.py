@@ -209,6 +209,10 @@ def test_bad_input_is_a_clear_400(tokenizer):
         ),
         "text format": (dict(input="hi", text={"format": {"type": "yaml"}}), "yaml"),
         "no message": (dict(input=[], instructions="Be brief."), "no message"),
+        "output type": (
+            dict(input=[{"type": "function_call_output", "call_id": "c", "output": 5}]),
+            r"input\[0\]\.output must be a string",
+        ),
         "required, no tools": (dict(input="hi", tool_choice="required"), "needs at least one tool"),
         "named, no tools": (
             dict(input="hi", tool_choice={"type": "function", "name": "f"}),

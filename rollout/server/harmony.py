@@ -143,7 +143,7 @@ def _message(oh: Any, item: dict[str, Any], names: dict[str, str], where: str) -
                 f"{where}: no function_call before it has call_id {item['call_id']!r}"
             )
         author = oh.Author.new(oh.Role.TOOL, FUNCTIONS + name)
-        text = item_text(item.get("output"), where)
+        text = item_text(item.get("output"), where, "output")
         return (
             oh.Message.from_author_and_content(author, text)
             .with_channel("commentary")

@@ -105,18 +105,19 @@ class ResponsesRequest(BaseModel):
         )
 
 
-def item_text(content: Any, where: str) -> str:
-    """The text of a message's content: a string, or a list of text parts."""
+def item_text(content: Any, where: str, field: str = "content") -> str:
+    """The text of a message's content (a function call output's `output`): a string, or a
+    list of text parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidRequestType(f"{where}.content must be a string or a list of parts")
+        raise InvalidRequestType(f"{where}.{field} must be a string or a list of parts")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise InvalidRequest(
-                f"{where}.content[{j}] has type {kind!r}; only text parts ({', '.join(TEXT_PARTS)})"
+                f"{where}.{field}[{j}] has type {kind!r}; only text parts ({', '.join(TEXT_PARTS)})"
                 " are served here"
             )
         texts.append(part["text"])
@@ -143,7 +144,7 @@ def check_items(items: list[dict[str, Any]]) -> None:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise InvalidRequest(f"{where} (function_call_output) needs a string call_id")
-            item_text(item.get("output"), where)
+            item_text(item.get("output"), where, "output")
         elif kind != "reasoning":
             raise InvalidRequest(
                 f"{where} has type {kind!r}; the items served here are message, function_call, "
@@ -174,7 +175,7 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item_text(item.get("output"), f"input[{i}]")
+            output = item_text(item.get("output"), f"input[{i}]", "output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
     if all(m["role"] == "system" for m in messages):
         raise InvalidRequest("input has no message to answer (only instructions, or nothing)")
