@@ -229,6 +229,28 @@ def test_bad_input_is_a_clear_400(tokenizer):
         _client(_ScriptedEngine(tokenizer)).responses.create(model="m", input="hi", tools=TOOLS)
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        '"metadata": {"k": "v\\ud800"}',
+        '"user": "u\\ud800"',
+        '"reasoning": {"effort": "\\ud800"}',
+        '"text": {"format": {"type": "json_object", "x": "\\ud800"}}',
+        '"tools": [{"type": "function", "name": "f", "x": "\\ud800"}]',
+    ],
+)
+@pytest.mark.parametrize("stream", ["false", "true"])
+def test_a_field_the_response_repeats_that_no_json_can_hold_is_a_400(tokenizer, field, stream):
+    """A lone surrogate (JSON's "\\ud800" without its pair) in a field the Response object
+    repeats is refused up front: it could not be written back."""
+    app = create_app(_ScriptedEngine(tokenizer), ServerOptions(tool_call_parser="qwen25"))
+    app.state.model_name = "m"
+    body = f'{{"model": "m", "input": "hi", "stream": {stream}, {field}}}'
+    headers = {"content-type": "application/json"}
+    answer = TestClient(app).post("/v1/responses", content=body.encode(), headers=headers)
+    assert answer.status_code == 400 and "is not valid Unicode" in answer.text, answer.text
+
+
 def test_a_stream_that_fails_ends_with_an_error_event(tokenizer):
     engine = _ScriptedEngine(tokenizer)
     engine.fail_at = 20

@@ -47,6 +47,7 @@ def response_store(request: Request) -> ResponseStore:
 async def create_response(body: ResponsesRequest, request: Request) -> Any:
     if (bad := check_model(request, body.model)) is not None:
         return bad
+    body.check_echoed()
     store = response_store(request)
     items = body.input_items()
     check_items(items)

@@ -13,10 +13,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.engine.request_limits import check_unicode_in
 from rollout.errors import InvalidRequest, InvalidRequestType
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
+# The fields the Response object repeats as they were given (responses_output.response_object).
+ECHOED = ("instructions", "tools", "tool_choice", "text", "reasoning", "metadata", "user")
 
 
 class ResponsesRequest(BaseModel):
@@ -45,6 +48,12 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     rid: str | None = None
+
+    def check_echoed(self) -> None:
+        """Raises InvalidRequest naming a field the answer repeats that no JSON can hold (a
+        lone surrogate, JSON's "\\ud800" without its pair)."""
+        for name in ECHOED:
+            check_unicode_in(getattr(self, name), name)
 
     def input_items(self) -> list[dict[str, Any]]:
         """The input as a list of items: a string is one user message."""
