@@ -129,6 +129,13 @@ def run_turns(
             f"{len(rollouts)} rollouts, {len(new_ids)} inputs and {len(sampling_params)} "
             "sampling params: give one of each per rollout"
         )
+    first: dict[int, int] = {}  # id(rollout) -> its first index
+    for i, rollout in enumerate(rollouts):
+        j = first.setdefault(id(rollout), i)
+        if j != i:  # both turns would continue its last turn, and only one could be kept
+            raise ValueError(
+                f"rollout {j} is given twice (again at {i}): a rollout takes one turn per call"
+            )
     if not rollouts:
         return []
     results = engine.generate(

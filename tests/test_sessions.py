@@ -260,6 +260,10 @@ def test_run_turns_steps_many_sessions_in_one_call(engine):
         assert all(len(r.trajectory) == 6 + 6 + 2 + 6 for r in rollouts)
         with pytest.raises(ValueError, match="one of each per rollout"):
             run_turns(engine, rollouts, [[5]], params)
+        with pytest.raises(ValueError, match="rollout 0 is given twice"):
+            run_turns(engine, [rollouts[0], rollouts[0]], [[5], [6]], [GREEDY] * 2)
+        assert len(rollouts[0].trajectory) == 6 + 6 + 2 + 6
+        rollouts[0].turn([7], GREEDY)  # still continues its last turn
     finally:
         for r in rollouts:
             r.close()
