@@ -140,6 +140,11 @@ def test_missing_files_and_pickles_are_named(model, good, tmp_path):
     (tmp_path / "bin" / "adapter_config.json").write_text("{not json")
     with pytest.raises(AdapterError, match="not valid JSON"):
         slots.read(str(tmp_path / "bin"))
+    shutil.copy(f"{good}/adapter_config.json", tmp_path / "bin" / "adapter_config.json")
+    weights = tmp_path / "bin" / "adapter_model.safetensors"
+    weights.write_bytes((tmp_path / "bin" / "adapter_model.bin").read_bytes()[:100])  # cut short
+    with pytest.raises(AdapterError, match="adapter_model.safetensors is not a safetensors file"):
+        slots.read(str(tmp_path / "bin"))
     with pytest.raises(OutsideRootsError):
         slots.read(good, roots=[str(tmp_path)])
 

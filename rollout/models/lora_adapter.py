@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from rollout.models.loader import open_checked
 
@@ -222,8 +222,11 @@ def read_peft_adapter(
         raise AdapterError(f"{CONFIG_FILE} must hold a JSON object")
     config = parse_adapter_config(raw, max_rank)
     with open_checked(weights_path, WEIGHTS_FILE, roots) as readable:
-        with safe_open(readable, framework="pt") as f:
-            tensors = [(name, f.get_tensor(name)) for name in f.keys()]
+        try:
+            with safe_open(readable, framework="pt") as f:
+                tensors = [(name, f.get_tensor(name)) for name in f.keys()]
+        except SafetensorError as e:  # cut short, or not safetensors at all
+            raise AdapterError(f"{WEIGHTS_FILE} is not a safetensors file: {e}") from None
     return adapter_from_tensors(config, tensors, module_shapes)
 
 
