@@ -141,6 +141,8 @@ def test_a_sessions_turns_all_go_to_the_replica_that_opened_it():
         assert session == "chat-1" and replicas[1].served == [("open_session", (4096, "chat-1"))]
         dispatcher.router.finished(0, 100)
         dispatcher.router.started(1, 1000)  # now replica 0 is the least loaded
+        with pytest.raises(InvalidRequest, match="session 'chat-1' is already open"):
+            await dispatcher.open_session(4096, "chat-1")  # not a second one on replica 0
         turns = [
             GenerateRequest(input_ids=[i, i + 1], session_params={"id": "chat-1", "rid": f"t{i}"})
             for i in range(3)

@@ -134,6 +134,9 @@ class Dispatcher:
 
     async def open_session(self, capacity_of_str_len: int, session_id: str | None) -> str:
         """Opens a session on the least loaded replica; its turns all go there (their KV)."""
+        if session_id is not None and self.router.pinned_replica(session_pin(session_id)) is not None:
+            # Another replica would open it again, and the pool forget the first one.
+            raise InvalidRequest(f"session {session_id!r} is already open")
         serving = await self.supervisor.wait_serving(self.wait_s)
         i = min(serving, key=lambda j: self.router.counters[j].load_tokens)
         replica = self.supervisor.replicas[i]
