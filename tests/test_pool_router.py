@@ -85,6 +85,17 @@ def test_a_restarted_replica_loses_its_prefixes_and_pins():
     assert router.pinned_replica("r") is None
 
 
+def test_an_open_sessions_pin_outlives_the_bound_on_rid_pins():
+    router = Router(2, max_pins=2)
+    router.pin("session/s", 1)
+    for k in range(5):
+        router.route([k], {0, 1}, rid=f"r{k}")
+    assert router.pinned_replica("session/s") == 1
+    assert router.route([9], {0, 1}, rid="session/s").replica == 1
+    router.unpin("session/s")
+    assert router.pinned_replica("session/s") is None
+
+
 def test_the_prefix_index_is_bounded():
     router = Router(2, max_prefix_entries=10)
     for k in range(50):

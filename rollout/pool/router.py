@@ -139,7 +139,8 @@ class Router:
         self.max_imbalance_tokens = max_imbalance_tokens
         self.max_pins = max_pins
         self.counters = [ReplicaCounters() for _ in range(num_replicas)]
-        self._pins: OrderedDict[str, int] = OrderedDict()
+        self._pins: OrderedDict[str, int] = OrderedDict()  # rids, the newest max_pins
+        self._held: dict[str, int] = {}  # pin()'s keys (open sessions): kept until unpin
 
     def route(
         self, key: list[int] | str | None, serving: Iterable[int], rid: str | None = None
@@ -170,7 +171,7 @@ class Router:
         return route
 
     def _choose(self, chain: Chain | None, serving: set[int], rid: str | None) -> Route:
-        pinned = self._pins.get(rid) if rid is not None else None
+        pinned = self.pinned_replica(rid) if rid is not None else None
         if pinned in serving:
             return Route(pinned, "pinned")
         least = min(
@@ -184,14 +185,16 @@ class Router:
         return Route(least, "least_load")
 
     def pinned_replica(self, rid: str) -> int | None:
-        return self._pins.get(rid)
+        held = self._held.get(rid)
+        return held if held is not None else self._pins.get(rid)
 
     def pin(self, key: str, replica: int) -> None:
-        """Sends every later request pinned by `key` (a rid, a session) to `replica`."""
-        self._pins[key] = replica
-        self._pins.move_to_end(key)
+        """Sends every later request pinned by `key` (a session) to `replica`, however many
+        rids are pinned meanwhile, until unpin."""
+        self._held[key] = replica
 
     def unpin(self, key: str) -> None:
+        self._held.pop(key, None)
         self._pins.pop(key, None)
 
     def started(self, replica: int, tokens: int) -> None:
@@ -213,6 +216,8 @@ class Router:
         self.index.forget(replica)
         for rid in [r for r, i in self._pins.items() if i == replica]:
             del self._pins[rid]
+        for key in [k for k, i in self._held.items() if i == replica]:
+            del self._held[key]
 
     def stats(self) -> list[dict]:
         return [c.as_dict() for c in self.counters]
