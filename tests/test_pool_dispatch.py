@@ -132,6 +132,35 @@ def test_encode_classify_and_score_go_to_the_least_loaded_replica_and_are_retrie
     asyncio.run(run())
 
 
+def test_two_opens_of_one_session_id_at_once_open_it_once():
+    async def run() -> None:
+        replicas, sup, dispatcher = _dispatcher("serve", "serve")
+        await sup.start_all()
+        for replica in replicas:  # opening takes a while, as on a real replica
+            replica.call = _slowly(replica.call)
+        first, second = await asyncio.gather(
+            dispatcher.open_session(4096, "chat-2"),
+            dispatcher.open_session(4096, "chat-2"),
+            return_exceptions=True,
+        )
+        assert first == "chat-2"
+        assert isinstance(second, InvalidRequest) and "already open" in str(second)
+        opens = [args for r in replicas for method, args in r.served if method == "open_session"]
+        assert opens == [(4096, "chat-2")]
+        await dispatcher.close_session("chat-2")
+        assert await dispatcher.open_session(4096, "chat-2") == "chat-2"  # closed: may open again
+
+    asyncio.run(run())
+
+
+def _slowly(call):
+    async def slow(method: str, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.01)
+        return await call(method, *args, **kwargs)
+
+    return slow
+
+
 def test_a_sessions_turns_all_go_to_the_replica_that_opened_it():
     async def run() -> None:
         replicas, sup, dispatcher = _dispatcher("serve", "serve")

@@ -37,6 +37,7 @@ class Dispatcher:
         self.supervisor = supervisor
         self.router = router
         self.wait_s = wait_s
+        self._opening: set[str] = set()  # session ids whose open_session is under way
 
     async def generate(self, request: GenerateRequest) -> Any:
         parts, joined = split(request)
@@ -134,15 +135,24 @@ class Dispatcher:
 
     async def open_session(self, capacity_of_str_len: int, session_id: str | None) -> str:
         """Opens a session on the least loaded replica; its turns all go there (their KV)."""
-        if session_id is not None and self.router.pinned_replica(session_pin(session_id)) is not None:
+        if session_id is not None and (
+            session_id in self._opening
+            or self.router.pinned_replica(session_pin(session_id)) is not None
+        ):
             # Another replica would open it again, and the pool forget the first one.
             raise InvalidRequest(f"session {session_id!r} is already open")
-        serving = await self.supervisor.wait_serving(self.wait_s)
-        i = min(serving, key=lambda j: self.router.counters[j].load_tokens)
-        replica = self.supervisor.replicas[i]
-        opened = await replica.call("open_session", capacity_of_str_len, session_id)
-        self.router.pin(session_pin(opened), i)
-        return opened
+        if session_id is not None:
+            self._opening.add(session_id)
+        try:
+            serving = await self.supervisor.wait_serving(self.wait_s)
+            i = min(serving, key=lambda j: self.router.counters[j].load_tokens)
+            opened = await self.supervisor.replicas[i].call(
+                "open_session", capacity_of_str_len, session_id
+            )
+            self.router.pin(session_pin(opened), i)
+            return opened
+        finally:
+            self._opening.discard(session_id)
 
     async def close_session(self, session_id: str) -> None:
         """Closes the session on its replica (InvalidRequest there, or here for an id this
