@@ -212,3 +212,23 @@ def test_engine_streams_the_same_with_and_without_overlap(tiny_qwen2):
     for on_chunks, off_chunks in zip(on_streamed, off_streamed):
         assert on_chunks[-1]["text"] == off_chunks[-1]["text"]
         assert on_chunks[-1]["output_ids"] == off_chunks[-1]["output_ids"]
+
+
+def test_overlap_computes_no_token_past_a_requests_max_new_tokens(tiny_qwen3):
+    # The token in flight is a request's last: no decode step is launched for it after that
+    # (one for max_new_tokens=1 would double the work of a one-token request).
+    proc = SchedulerProcess(EngineOptions.from_kwargs(
+        model_path=tiny_qwen3, device="cpu", dtype="float32", max_total_tokens=KV_TOKENS,
+    ))  # fmt: skip
+    sched, launched = proc.scheduler, []
+    launch = sched.runner.launch
+    sched.runner.launch = lambda batch: launched.append(len(batch.reqs)) or launch(batch)
+    for max_new in (1, 5):
+        launched.clear()
+        params = SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True)
+        sched.add_request(TokenizedRequest(f"r{max_new}", [4, 8, 15, 16], params, seed=0))
+        done = []
+        while sched.has_work():
+            done += [r for r in sched.step() if r.finished]
+        assert [len(r.output_ids) for r in done] == [max_new]
+        assert len(launched) == max_new  # the prefill, then max_new - 1 decodes

@@ -27,9 +27,13 @@ class DecodePlanner:
         self.ratio = ratio
         self.retractions = 0
 
-    def plan(self, running: list[Req], waiting: deque[Req]) -> ScheduleBatch | None:
+    def plan(
+        self, running: list[Req], waiting: deque[Req], finishing: set[int] = frozenset()
+    ) -> ScheduleBatch | None:
         """The decode batch of `running`, after retracting (from its end, the newest) into the
-        front of `waiting` until the pool has a slot for each; None if none is left running."""
+        front of `waiting` until the pool has a slot for each; None if none is left to decode.
+        `finishing`: ids of requests whose token in flight is their last, left out (they stay
+        running until that step's results finish them)."""
         retracted = False
         while running and self.kv.free_slots() < len(running):
             self._retract(running.pop(), waiting, len(running))
@@ -38,11 +42,12 @@ class DecodePlanner:
             self.ratio.raise_after_retraction(running)
         else:
             self.ratio.decay()
-        if not running:
+        reqs = [r for r in running if id(r) not in finishing]
+        if not reqs:
             return None
-        slots = self.kv.allocate_decode(running)
+        slots = self.kv.allocate_decode(reqs)
         assert slots is not None  # free_slots() >= len(running) was just ensured
-        return ScheduleBatch(ForwardMode.DECODE, list(running), [1] * len(running), slots)
+        return ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), slots)
 
     @staticmethod
     def launched(batch: ScheduleBatch) -> None:

@@ -223,7 +223,20 @@ class Scheduler:
     def _plan_decode(self) -> ScheduleBatch | None:
         if self.kv.free_slots() < len(self.running):
             self.drain()  # requests that finished in the batch in flight free their KV first
-        return self.decode.plan(self.running, self.waiting)
+        return self.decode.plan(self.running, self.waiting, self._last_token_in_flight())
+
+    def _last_token_in_flight(self) -> set[int]:
+        """The running requests (by id) whose token in the step in flight is their last
+        (max_new_tokens): a decode for them now would compute a token nobody gets."""
+        step = self.pipeline.in_flight
+        if step is None:
+            return set()
+        batch = step.batch
+        return {
+            id(r)
+            for r, samples in zip(batch.reqs, batch.sampling)
+            if samples and len(r.output_ids) + 1 >= r.max_new_tokens
+        }
 
     def _launched(self, batch: ScheduleBatch) -> None:
         """After the batch is queued on the device: advances what planning the next batch reads
