@@ -63,3 +63,26 @@ def test_a_short_context_limits_the_warm_up_prompts(tiny_qwen3, caplog):
     assert "warm-up request" not in caplog.text
     short = _process(tiny_qwen3, context_length=20)
     assert warm_up(short.options, short.runner, short.scheduler.stop_checker) == 0
+
+
+def test_a_failed_warm_up_is_logged_and_the_engine_serves_without_it(tiny_qwen3, caplog, monkeypatch):
+    from rollout.engine.scheduler import Scheduler
+
+    proc, fresh = _process(tiny_qwen3), _process(tiny_qwen3)
+    # Steps that fail fail their requests (logged), and the warm-up goes on to its end.
+    monkeypatch.setattr(proc.runner, "launch", _failing)
+    proc.warm_up()
+    assert "warm-up request" in caplog.text and "RuntimeError: the device went away" in caplog.text
+    assert "warmup_s" in proc.info
+    monkeypatch.undo()
+    # A warm-up that raises is skipped.
+    del proc.info["warmup_s"]
+    monkeypatch.setattr(Scheduler, "flush_cache", _failing)
+    proc.warm_up()
+    assert "the warm-up failed; serving without it" in caplog.text and "warmup_s" not in proc.info
+    monkeypatch.undo()
+    assert [ids for ids, _ in _serve(proc)] == [ids for ids, _ in _serve(fresh)]
+
+
+def _failing(*args, **kwargs):
+    raise RuntimeError("the device went away")

@@ -123,6 +123,17 @@ class SchedulerProcess:
         # At WARNING, the level this process logs at: the one start-up line worth seeing.
         logger.warning("kernel plan: %s", self.runner.kernel_plan)
 
+    def warm_up(self) -> None:
+        """Runs the warm-up (warm_up.py) before the engine reports ready. A warm-up that fails
+        is logged and skipped: the engine serves without it, its first requests compiling."""
+        start = time.perf_counter()
+        try:
+            warm_up(self.options, self.runner, self.scheduler.stop_checker)
+        except Exception:  # noqa: BLE001 - a warm-up is an optimization, never a reason to fail
+            logger.exception("the warm-up failed; serving without it")
+            return
+        self.info["warmup_s"] = round(time.perf_counter() - start, 3)
+
     def handle(self, msg: TokenizedRequest) -> None:
         """A pickled message: request traffic (control traffic comes as ControlRequest)."""
         if not isinstance(msg, TokenizedRequest):
@@ -275,9 +286,7 @@ def run_scheduler_process(
             if proc.runner.lora is not None:  # adapters load on every rank, or on none
                 proc.runner.lora.use_other_ranks(RanksPort(proc.ranks))
         if proc.runner.device.type == "cuda" and not options.scheduler.skip_server_warmup:
-            start = time.perf_counter()
-            warm_up(proc.options, proc.runner, proc.scheduler.stop_checker)
-            proc.info["warmup_s"] = round(time.perf_counter() - start, 3)
+            proc.warm_up()
         send.send_pyobj(SchedulerReady(proc.info))
         proc.loop(recv, send)
     except BaseException:  # noqa: BLE001 - every failure must reach the caller
