@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # (forward/kernel_plan.py's SAMPLING_KERNEL_MIN_ROWS).
 BATCH_ROWS = 32
 PROMPT_TOKENS = 8
-PREFIX_TOKENS = 64  # the cached prefix of the second phase
+PREFIX_TOKENS = 64  # the cached prefix that a later phase extends
 FILTERS = {"top_k": 20, "top_p": 0.9, "min_p": 0.05}
 
 
