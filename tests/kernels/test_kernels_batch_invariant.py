@@ -51,6 +51,22 @@ def test_gemm_rows_do_not_depend_on_the_batch(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_k_in_fixed_pieces_gives_the_same_bits_on_one_program_or_one_per_piece(device, dtype, bias):
+    # K of 400 in 3 pieces (192, 192, 16 with the CPU's tiles): split over programs or summed
+    # in one, a row's result is the same, in any batch, and within rounding of torch's.
+    x, w, b = _gemm_inputs(device, dtype, k=400)
+    b = b if bias else None
+    whole = batch_invariant_linear(x, w, b, k_chunks=3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(whole.float(), want, atol=tol, rtol=tol)
+    for rows in (1, 5, 70):
+        assert torch.equal(batch_invariant_linear(x[:rows], w, b, k_chunks=3, split=True), whole[:rows])
+        assert torch.equal(batch_invariant_linear(x[-rows:], w, b, k_chunks=3), whole[-rows:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gemm_columns_do_not_depend_on_their_neighbours(device, dtype):
     # A merged projection (qkv) and its parts computed one by one (the parity model's way)
     # give the same bits, written side by side into one buffer or not.
