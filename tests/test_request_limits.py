@@ -131,7 +131,7 @@ def test_openai_routes_check_the_same_limits(server):
     message = _error_400(
         _post(server, "/v1/completions", {**completion, "prompt": "x", "max_tokens": 10**9})
     )
-    assert "max_new_tokens must be <= the context length" in message
+    assert "max_tokens must be <= the context length" in message  # the client's name of it
 
 
 def test_chat_template_kwargs_take_template_variables_only(server):

@@ -246,6 +246,25 @@ def test_bad_input_is_a_400_naming_the_problem(server, body, fragment):
     assert fragment in resp.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "path, body, fragment",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**7}, "max_tokens must be <="),
+        ("/v1/chat/completions", {"max_tokens": 10**7}, "max_tokens must be <="),
+        ("/v1/chat/completions", {"max_completion_tokens": 10**7}, "max_completion_tokens must be <="),
+        ("/v1/chat/completions", {"max_tokens": 2, "min_tokens": 5}, "min_tokens must be <= max_tokens"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 10**7}, "max_output_tokens must be <="),
+    ],
+)  # fmt: skip
+def test_openai_refusals_name_the_fields_the_client_sent(server, path, body, fragment):
+    if path == "/v1/chat/completions":
+        body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    for stream in (False, True):
+        resp = httpx.post(f"{server}{path}", json={"model": "tiny", "stream": stream, **body})
+        assert resp.status_code == 400, resp.text
+        assert fragment in resp.json()["error"]["message"]
+
+
 def test_bad_bodies_and_the_server_keeps_serving(server, client):
     assert (
         httpx.post(

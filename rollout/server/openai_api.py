@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -14,7 +16,7 @@ from rollout.control import is_int
 from rollout.engine.chat_template import chat_ids
 from rollout.engine.output_builder import TokenText
 from rollout.engine.request_validation import encode_prompt
-from rollout.errors import InvalidRequest, InvalidRequestType
+from rollout.errors import InvalidRequest, InvalidRequestType, RequestError
 from rollout.server import chat_output
 from rollout.server.json_body import OffLoopRoute
 from rollout.server.openai_format import (
@@ -93,6 +95,21 @@ def _chat_prompt(body: ChatCompletionRequest, engine: RolloutEngine) -> tuple[li
     return ids, engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:])
 
 
+@contextmanager
+def named_as(body: SamplingFields) -> Iterator[None]:
+    """Raises the engine's refusals of `body` with its fields named as the client sent them
+    (max_tokens where the engine says max_new_tokens)."""
+    try:
+        yield
+    except RequestError as e:
+        message = str(e)
+        for engine_name, api_name in body.api_names().items():
+            message = re.sub(rf"\b{engine_name}\b", api_name, message)
+        if message == str(e):
+            raise
+        raise type(e)(message) from None
+
+
 async def _run(
     request: Request,
     endpoint: str,
@@ -106,7 +123,7 @@ async def _run(
     """Non-streamed: one engine call for every prompt x n; `build(outputs)` makes the response."""
     engine = request.app.state.engine
     start = time.monotonic()
-    with request.app.state.owners.claim(body.rid, request.state.role):  # see /abort_request
+    with request.app.state.owners.claim(body.rid, request.state.role), named_as(body):
         outputs = await until_disconnect(
             request,
             engine.async_generate(
@@ -135,11 +152,12 @@ async def _open_streams(
     params = body.sampling_params(max_new)
     lora = model_adapter(request, body.model)
     # As one request: n and the response's size are bounded over all the streams together.
-    await engine.run_in_worker(
-        engine.validate_generate, input_ids=prompts, sampling_params=params,
-        return_logprob=top is not None, top_logprobs_num=top or 0, rid=body.rid,
-        logprob_start_len=logprob_start_len, lora_path=lora,
-    )  # fmt: skip
+    with named_as(body):
+        await engine.run_in_worker(
+            engine.validate_generate, input_ids=prompts, sampling_params=params,
+            return_logprob=top is not None, top_logprobs_num=top or 0, rid=body.rid,
+            logprob_start_len=logprob_start_len, lora_path=lora,
+        )  # fmt: skip
     streams = []
     for ids in prompts:
         for j in range(body.n):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SkipValidation
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation
 
 from rollout.engine.grammar_openai import response_format_grammar
 from rollout.errors import InvalidRequest
@@ -53,6 +53,17 @@ class SamplingFields(BaseModel):
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
+    # The client's names of the engine's fields, where an API in front of this one (Responses)
+    # asked with its own; see api_names.
+    _renamed: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def api_names(self) -> dict[str, str]:
+        """The engine's sampling field names (its errors use them) -> this request's names."""
+        names = {"max_new_tokens": self.max_tokens_name(), "min_new_tokens": "min_tokens"}
+        return {**names, **self._renamed}
+
+    def max_tokens_name(self) -> str:
+        return "max_tokens"
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """The engine's sampling params (validated there, with clear errors)."""
@@ -160,6 +171,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None  # {"type": "function", "function": {name, ...}}
     tool_choice: str | dict[str, Any] | None = None  # auto, none, required, or a named function
     parallel_tool_calls: bool = True
+
+    def max_tokens_name(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def tool_names(self) -> list[str] | None:
         """The functions the model may call (None: no tools, or tool_choice none)."""
