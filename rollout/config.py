@@ -168,10 +168,9 @@ class SchedulerOptions:
         "retractions), 0 reserves nothing",
     )
     skip_server_warmup: bool = _opt(
-        False,
-        "on a GPU, report ready without first running the warm-up requests that compile the "
-        "prefill, sampling and logprob kernels (else the first requests compile them)",
-    )
+        False, "on a GPU, report ready without first running the warm-up requests that compile "
+        "the prefill, sampling and logprob kernels (else the first requests compile them)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.schedule_conservativeness >= 0:

@@ -78,6 +78,11 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def at_max_new_tokens(self, pending: int = 0) -> bool:
+        """Whether its output tokens, with `pending` more still being sampled, reach
+        max_new_tokens (which finishes it, whatever the tokens are)."""
+        return len(self.output_ids) + pending >= self.max_new_tokens
+
     def wants_prompt_logprobs(self) -> bool:
         return (
             self.req.return_logprob

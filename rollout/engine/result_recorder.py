@@ -92,7 +92,7 @@ class ResultRecorder:
         if out.hidden_state is not None:
             req.hidden_states.append(out.hidden_state)
         reason = self.stop_checker.check(req)
-        if reason is None and len(req.output_ids) >= req.max_new_tokens:
+        if reason is None and req.at_max_new_tokens():
             reason = {"type": "length", "length": len(req.output_ids)}
         if reason is not None:
             self.finish(req, reason)

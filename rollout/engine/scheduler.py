@@ -235,7 +235,7 @@ class Scheduler:
         return {
             id(r)
             for r, samples in zip(batch.reqs, batch.sampling)
-            if samples and len(r.output_ids) + 1 >= r.max_new_tokens
+            if samples and r.at_max_new_tokens(pending=1)
         }
 
     def _launched(self, batch: ScheduleBatch) -> None:

@@ -94,7 +94,7 @@ class SchedulerProcess:
 
         mopts = options.model
         self.options = options
-        self.compiles = process_compiles.install()  # before the graphs' capture compiles
+        process_compiles.install()  # before the graphs' capture compiles
         self.runner, tokenizer, eos = build_runner(options, tp)
         hf_config = self.runner.hf_config
         self.scheduler = Scheduler(options, self.runner, StopChecker(tokenizer, eos))
@@ -168,7 +168,7 @@ class SchedulerProcess:
                 self.other_ranks_memory = [r.result for r in self.ranks.call("rank_memory")]
             ranks = [rank_memory(self.runner), *(self.other_ranks_memory or ())]
             info = {**self.info, **self.scheduler.server_info(), **self.weight_sync.info()}
-            return {**info, **self.compiles.info(), "ranks": ranks}
+            return {**info, **process_compiles.info(), "ranks": ranks}
         return self.weight_sync.run(call)
 
     @staticmethod

@@ -97,6 +97,6 @@ def _phases(
     # A decode batch past the largest CUDA graph runs eagerly.
     graphs = runner.graph_runner
     largest = graphs.sizes[-1] if graphs is not None else options.scheduler.max_running_requests
-    room = (largest + 1) * (PROMPT_TOKENS + 2) <= runner.num_slots // 2
-    if largest < options.scheduler.max_running_requests and room:
+    fits = (largest + 1) * (PROMPT_TOKENS + 2) <= runner.num_slots // 2
+    if largest < options.scheduler.max_running_requests and fits:
         yield [request(prompts[i % rows], temperature=1.0) for i in range(largest + 1)]

@@ -57,6 +57,10 @@ class SamplingFields(BaseModel):
     # asked with its own; see api_names.
     _renamed: dict[str, str] = PrivateAttr(default_factory=dict)
 
+    def rename(self, engine_name: str, api_name: str) -> None:
+        """Has the engine's refusals call its field `engine_name` `api_name` (api_names)."""
+        self._renamed[engine_name] = api_name
+
     def api_names(self) -> dict[str, str]:
         """The engine's sampling field names (its errors use them) -> this request's names."""
         names = {"max_new_tokens": self.max_tokens_name(), "min_new_tokens": "min_tokens"}

@@ -106,7 +106,7 @@ def _chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompl
         chat = ChatCompletionRequest(**fields)
     except ValidationError as e:  # what the items make doesn't fit a chat message
         raise InvalidRequest(describe_validation_errors(list(e.errors()))) from e
-    chat._renamed["max_new_tokens"] = "max_output_tokens"  # the engine's refusals name it so
+    chat.rename("max_new_tokens", "max_output_tokens")
     return chat
 
 
