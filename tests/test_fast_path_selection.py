@@ -70,6 +70,26 @@ def test_auto_falls_back_where_flashinfer_cannot_run(packages):
     assert backend(CUDA, torch.bfloat16) == "torch"
 
 
+def test_flashinfer_serves_only_the_head_sizes_its_kernels_exist_for(packages):
+    # A model of another head size (the tiny test checkpoints' 32) would start, then die in
+    # FlashInfer's dispatch at the first decode batch that reached it.
+    packages("flashinfer", "triton")
+
+    def plan(head_dim: int, **options) -> KernelPlan:
+        engine = EngineOptions.from_kwargs(model_path="m", **options)
+        return resolve_kernel_plan(engine, CUDA, torch.bfloat16, head_dim)
+
+    for head_dim in (64, 128, 256):
+        assert plan(head_dim).attention_backend == "flashinfer"
+    small = plan(32)
+    assert (small.attention_backend, small.decode_attention) == ("triton", DecodeChoice("triton"))
+    with pytest.raises(ValueError, match="attention_backend='flashinfer' cannot run here: its "
+                       "kernels take head_dim 64, 128, 256, the model's is 32"):  # fmt: skip
+        plan(32, attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="decode_attention_backend='flashinfer'.*is 96"):
+        plan(96, attention_backend="triton", decode_attention_backend="flashinfer")
+
+
 def test_auto_takes_triton_when_registered_and_flashinfer_missing(packages):
     packages("triton")
     expected = "triton" if "triton" in attention.BACKENDS else "torch"

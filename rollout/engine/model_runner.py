@@ -103,7 +103,7 @@ class ModelRunner:
 
     def _init_attention(self, options: EngineOptions, num_kv_heads: int, head_dim: int) -> None:
         # Which kernels run is the plan's to say; the runner builds what it names.
-        self.kernel_plan = plan = resolve_kernel_plan(options, self.device, self.dtype)
+        self.kernel_plan = plan = resolve_kernel_plan(options, self.device, self.dtype, head_dim)
         shape = AttentionShape(
             num_heads=self.model.num_local_heads,
             num_kv_heads=num_kv_heads,

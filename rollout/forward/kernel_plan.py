@@ -88,17 +88,19 @@ class KernelPlan:
 
 
 def resolve_kernel_plan(
-    options: EngineOptions, device: torch.device, dtype: torch.dtype
+    options: EngineOptions, device: torch.device, dtype: torch.dtype, head_dim: int | None = None
 ) -> KernelPlan:
-    """The plan for `options` on `device` in `dtype` (the model's resolved dtype); raises
-    ValueError, naming why, when an explicitly named backend cannot run here."""
+    """The plan for `options` on `device` in `dtype` (the model's resolved dtype) for attention
+    heads of `head_dim` (None: any backend's); raises ValueError, naming why, when an explicitly
+    named backend cannot run here."""
     kopts = options.kernels
     if kopts.enable_deterministic_inference:
         return _deterministic_plan(options, device)
-    extend = _attention_backend(kopts.attention_backend, device, dtype)
+    extend = _attention_backend(kopts.attention_backend, device, dtype, head_dim)
     decode = _decode_choice(
-        kopts.decode_attention_backend, extend, device, dtype, kopts.triton_decode_max_batch
-    )
+        kopts.decode_attention_backend, extend, device, dtype, head_dim,
+        kopts.triton_decode_max_batch,
+    )  # fmt: skip
     # The GPU backends come with the Triton kernels for norms, rotary, SiLU-and-mul and
     # sampling; attention_backend="torch" stays all torch: it is the reference path.
     fused = extend != "torch"
@@ -184,41 +186,50 @@ def _deterministic_plan(options: EngineOptions, device: torch.device) -> KernelP
     )
 
 
-def _attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+def _attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None
+) -> str:
     """The backend to build for attention_backend=`name`."""
     if name == "auto":
         for candidate in AUTO_ORDER:
-            if candidate in attention.BACKENDS and _runs(candidate, device, dtype):
+            if candidate in attention.BACKENDS and _runs(candidate, device, dtype, head_dim):
                 return candidate
         return "torch"
-    return _named_backend("attention_backend", name, device, dtype, "; use auto or torch")
+    return _named_backend(
+        "attention_backend", name, device, dtype, head_dim, "; use auto or torch"
+    )
 
 
 def _decode_choice(
-    name: str, extend: str, device: torch.device, dtype: torch.dtype, auto_max_batch: int
-) -> DecodeChoice:
+    name: str, extend: str, device: torch.device, dtype: torch.dtype, head_dim: int | None,
+    auto_max_batch: int,
+) -> DecodeChoice:  # fmt: skip
     """Where decode runs for decode_attention_backend=`name`, given the resolved attention
     backend `extend` and, for "auto", the largest decode batch on DECODE_AUTO's backend."""
     if name == "auto":
         preferred = DECODE_AUTO.get(extend)
-        if preferred is not None and auto_max_batch > 0 and _runs(preferred, device, dtype):
+        runs = preferred is not None and _runs(preferred, device, dtype, head_dim)
+        if runs and auto_max_batch > 0:
             return DecodeChoice(preferred, auto_max_batch)
         return DecodeChoice(extend)
-    return DecodeChoice(_named_backend("decode_attention_backend", name, device, dtype))
+    return DecodeChoice(
+        _named_backend("decode_attention_backend", name, device, dtype, head_dim)
+    )
 
 
-def _runs(name: str, device: torch.device, dtype: torch.dtype) -> bool:
-    return attention.unavailable_reason(name, device, dtype) is None
+def _runs(name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> bool:
+    return attention.unavailable_reason(name, device, dtype, head_dim) is None
 
 
 def _named_backend(
-    option: str, name: str, device: torch.device, dtype: torch.dtype, hint: str = ""
+    option: str, name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None,
+    hint: str = "",
 ) -> str:
     """`name` as given for `option`, once it is known and can run here; else ValueError."""
     if name not in attention.BACKENDS:
         known = ", ".join(attention.BACKENDS)
         raise ValueError(f"{option} must be one of auto, {known}, got {name!r}")
-    reason = attention.unavailable_reason(name, device, dtype)
+    reason = attention.unavailable_reason(name, device, dtype, head_dim)
     if reason is not None:
         raise ValueError(f"{option}={name!r} cannot run here: {reason}{hint}")
     return name

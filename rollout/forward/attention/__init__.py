@@ -1,7 +1,7 @@
 """Attention backends by name: what each needs to run, and how to build one.
 
 A backend is registered with what it needs to run: a package beyond torch, a GPU, the dtypes
-its kernels exist for, and whether its decode can be captured in a CUDA graph. Which backend
+and head sizes its kernels exist for, and whether its decode can be captured in a CUDA graph. Which backend
 runs where ("auto", decode on another backend than extend) is decided by
 rollout.forward.kernel_plan from these entries.
 """
@@ -26,6 +26,7 @@ class BackendEntry:
     package: str | None = None  # imported to tell whether the backend can run
     gpu_only: bool = False
     dtypes: tuple[torch.dtype, ...] | None = None  # None: any dtype
+    head_dims: tuple[int, ...] | None = None  # None: any head size
     cuda_graph: bool = False  # the backend's supports_cuda_graph
 
 
@@ -59,8 +60,11 @@ def _deterministic(shape: AttentionShape) -> AttentionBackend:
 
 BACKENDS: dict[str, BackendEntry] = {
     "torch": BackendEntry(_torch),
+    # FlashInfer's prefill kernels (also its decode, which runs on them) exist for these head
+    # sizes; others fail inside the kernel's dispatch at the first batch that reaches them.
     "flashinfer": BackendEntry(
-        _flashinfer, package="flashinfer", gpu_only=True, dtypes=HALF_DTYPES, cuda_graph=True
+        _flashinfer, package="flashinfer", gpu_only=True, dtypes=HALF_DTYPES,
+        head_dims=(64, 128, 256), cuda_graph=True,
     ),
     "triton": BackendEntry(_triton, package="triton", gpu_only=True, cuda_graph=True),
     # Chosen by enable_deterministic_inference only; on the CPU under TRITON_INTERPRET=1.
@@ -91,14 +95,20 @@ def package_imports(name: str) -> bool:
     return True
 
 
-def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why backend `name` cannot run on `device` in `dtype`, or None when it can."""
+def unavailable_reason(
+    name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None
+) -> str | None:
+    """Why backend `name` cannot run on `device` in `dtype` for heads of `head_dim` (None: not
+    asked), or None when it can."""
     entry = BACKENDS[name]
     if entry.gpu_only and device.type != "cuda":
         return f"it needs a CUDA device, got {device}"
     if entry.dtypes is not None and dtype not in entry.dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in entry.dtypes)
         return f"it runs {names}, got {str(dtype).removeprefix('torch.')}"
+    if head_dim is not None and entry.head_dims is not None and head_dim not in entry.head_dims:
+        sizes = ", ".join(map(str, entry.head_dims))
+        return f"its kernels take head_dim {sizes}, the model's is {head_dim}"
     if entry.package is not None and not package_imports(entry.package):
         return f"the {entry.package} package does not import"
     return None
