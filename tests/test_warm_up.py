@@ -56,6 +56,23 @@ def test_an_embedding_model_warms_up_on_embed_requests(tiny_qwen2):
     assert proc.runner.req_to_token.available() == rows
 
 
+def test_the_warm_up_runs_the_lm_head_at_each_small_batch_kernel_variant(tiny_qwen3, monkeypatch):
+    # The small-batch GEMM kernel (the LM head of up to 16 rows on a GPU) has a variant for one
+    # row, for 16 and for any other count: serving must find each of them built.
+    from rollout.models import vocab_parallel
+
+    rows, plain = [], vocab_parallel.logits_linear
+
+    def recording(hidden, *args, **kwargs):
+        rows.append(hidden.shape[0])
+        return plain(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(vocab_parallel, "logits_linear", recording)
+    proc = _process(tiny_qwen3)
+    warm_up(proc.options, proc.runner, proc.scheduler.stop_checker)
+    assert {1, 16} <= set(rows) and any(1 < n < 16 for n in rows), sorted(set(rows))
+
+
 def test_a_short_context_limits_the_warm_up_prompts(tiny_qwen3, caplog):
     # Every prompt and its 2 new tokens fit the context: none is refused or cut short.
     proc = _process(tiny_qwen3, context_length=40)

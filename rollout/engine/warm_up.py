@@ -89,6 +89,11 @@ def _phases(
     for k in range(1, len(FILTERS) + 1):
         for names in combinations(FILTERS, k):
             yield [request(p, temperature=0.8, **{n: FILTERS[n] for n in names}) for p in prompts]
+    # Batches of a few rows: the LM head's small-batch GEMM kernel has a variant for one row,
+    # for a multiple of 16 rows and for any other count (what Triton specializes integers on);
+    # one row is the prefix phase's.
+    yield [request(p) for p in prompts[:2]]
+    yield [request(p) for p in prompts[:16]]
     penalties = {"repetition_penalty": 1.1, "frequency_penalty": 0.1, "presence_penalty": 0.1}
     yield [request(p, temperature=0.8, logit_bias={1: 1.0}, **penalties) for p in prompts]
     # A prefill over a cached prefix: the prefix, then a prompt that extends it.
