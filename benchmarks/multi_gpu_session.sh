@@ -7,8 +7,8 @@
 # with every process's stacks dumped after 70 s), ncclonly, killed, compat, ncclsync, tptests,
 # tpq, tpstacks, real (pytest selections of the two-GPU cases), three (needs three GPUs), latency, tpfwd
 # (tp 1 against tp 2), weightsync, remote, pool (two replicas, one GPU each), llama
-# (500 x 4096/2048 at tp 1 and tp 2), tpfwd2 (tp 2 alone), fusion (FlashInfer's all-reduce
-# fusion: the forward, the step, the bf16 tests), pinning (the host backup's first step). STACKS=N: every process started
+# (500 x 4096/2048 at tp 1 and tp 2), tpfwd2 (tp 2 alone), tprest (the tp cases not yet run on two GPUs), fusion (FlashInfer's all-reduce
+# fusion: the forward, the step, the bf16 tests), pinning and pinning8 (the host backup's first step, threaded pinning in the second). STACKS=N: every process started
 # writes its threads' stacks into the log N seconds after it starts (benchmarks/stack_dump).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -47,11 +47,13 @@ for part in "$@"; do
   weightsync)
     step 200 6 python3 benchmarks/bench_weight_sync.py --model qwen2.5-7b --paths nccl
     step 200 6 python3 benchmarks/bench_weight_sync.py --model qwen2.5-7b --paths nccl --weight-update-backup auto ;;
-  pinning)  # the host backup's first step, with torch's pinned allocator as it is and registering in 8 threads
-    step 240 6 python3 benchmarks/bench_weight_sync.py --model qwen2.5-7b --paths nccl --weight-update-backup cpu
+  pinning)  # the host backup's first step, with torch's pinned allocator as it is
+    step 200 6 python3 benchmarks/bench_weight_sync.py --model qwen2.5-7b --paths nccl --weight-update-backup cpu ;;
+  pinning8)  # the same, torch's pinned allocator registering in 8 threads
     PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 \
-      step 240 6 python3 benchmarks/bench_weight_sync.py --model qwen2.5-7b --paths nccl --weight-update-backup cpu ;;
+      step 200 6 python3 benchmarks/bench_weight_sync.py --model qwen2.5-7b --paths nccl --weight-update-backup cpu ;;
   tpstacks) pyt 300 -s --timeout 120 tests/test_gpu_tensor_parallel.py -k "two_gpus and tiny_qwen3 and triton" ;;
+  tprest) pyt 200 tests/test_gpu_tensor_parallel.py -k "per_rank or (two_gpus and tiny_qwen3 and triton and eager)" ;;
   tptests) pyt 450 tests/test_gpu_tensor_parallel.py -k "two_gpus or per_rank" ;;
   compat) pyt 150 tests/compat/test_sglang_weights_distributed.py -k nccl ;;
   killed) pyt 150 tests/test_weight_sync_gpu.py -k killed ;;
