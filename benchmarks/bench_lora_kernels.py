@@ -5,15 +5,17 @@ step runs them, and which launch settings would serve each best.
 
 For each group (q/k/v, o, gate/up, down) and row count, in bfloat16, inside CUDA graphs: rows
 spread over --adapters slots of ranks --ranks (max rank --max-rank, as the engine's slots hold
-them), microseconds of rollout_kernels.lora_shrink + lora_expand with the engine's settings, of
-each alone, and, with --sweep, of every setting of SHRINK_SETTINGS x EXPAND_SETTINGS, the
-fastest named with its largest difference from the engine's settings' result. One JSON line per
-group and row count.
+them), microseconds of rollout_kernels.lora_shrink + lora_expand with the engine's settings (the
+kernels' defaults: shrink_settings and expand_settings for the row count, named in the line), of
+each alone, and, with --sweep, of every setting of SHRINK_SETTINGS x EXPAND_SETTINGS (split_k
+None: choose_split_k's, uncapped), the fastest named with its largest difference from the
+engine's settings' result. One JSON line per group and row count.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -65,9 +67,9 @@ def main() -> None:
 
 
 def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -> dict:
-    from rollout_kernels.lora_expand import OutputParts, lora_expand
+    from rollout_kernels.lora_expand import OutputParts, expand_settings, lora_expand
     from rollout_kernels.lora_segments import lora_segments
-    from rollout_kernels.lora_shrink import lora_shrink
+    from rollout_kernels.lora_shrink import choose_split_k, lora_shrink, shrink_settings
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     s, p, r, n = args.adapters + 1, len(sizes), args.max_rank, sum(sizes)  # +1: the engine's spare slot
@@ -83,6 +85,10 @@ def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -
     out = start.clone()  # added to by every timed call; reset before each comparison
 
     def both(shrink: dict, expand: dict) -> torch.Tensor:
+        if shrink.get("split_k", 0) is None:  # the sweep's None: choose_split_k's, uncapped
+            # bf16 and K past block_k: lora_shrink would pass choose_split_k these same blocks
+            auto = choose_split_k(segments, p * r, k, shrink["block_n"], shrink["block_k"])
+            shrink = {**shrink, "split_k": auto}
         y = lora_shrink(x, a, segments, ranks, r, **shrink)
         return lora_expand(y, b, out, segments, ranks, scales, parts, **expand)
 
@@ -91,6 +97,8 @@ def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -
 
     y = lora_shrink(x, a, segments, ranks, r)
     row = {
+        "engine_shrink": dataclasses.asdict(shrink_settings(rows)),
+        "engine_expand": dataclasses.asdict(expand_settings(rows)),
         "engine_us": us(lambda: both({}, {})),
         "shrink_us": us(lambda: lora_shrink(x, a, segments, ranks, r)),
         "expand_us": us(lambda: lora_expand(y, b, out, segments, ranks, scales, parts)),

@@ -5,7 +5,8 @@ of its projections side by side, each with its own B rows, its own shrunk column
 own scale. B is [slots, N, R]: the B of every projection stacked along N exactly as the
 group's output columns are, R the largest rank; part p reads y's columns p*R .. p*R + rank.
 Only an adapter's first `rank` columns of B are read. y is the shrink's float32 partial sums,
-[split_k, T, parts x R], added here as they are read.
+[split_k, T, parts x R], added here as they are read. The launch settings follow the number of
+rows (`expand_settings`), as the shrink's do.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from rollout_kernels.lora_segments import LoraSegments, segment_rows
+from rollout_kernels.lora_shrink import DECODE_ROWS
 from rollout_kernels.precision import dot_precision
 
 
@@ -35,6 +37,26 @@ class OutputParts:
         for size in sizes:
             bounds.append(bounds[-1] + size)
         return cls(tuple(sizes), torch.tensor(bounds, dtype=torch.int32, device=device))
+
+
+@dataclass(frozen=True)
+class ExpandSettings:
+    """How lora_expand launches for some number of rows."""
+
+    block_n: int  # output columns per program
+    num_warps: int
+
+
+def expand_settings(rows: int) -> ExpandSettings:
+    """The engine's launch settings for an expand of `rows` token rows, from a sweep of the
+    kernels on real models' projections (benchmarks/bench_lora_kernels.py --sweep).
+
+    Every column tile of a row block reads that block's y (all its partials) again, so wide
+    tiles pay; a decode batch, one row block per slot, keeps them narrower to have programs
+    enough to stream B."""
+    if rows <= DECODE_ROWS:
+        return ExpandSettings(block_n=128, num_warps=8)
+    return ExpandSettings(block_n=256, num_warps=8)
 
 
 @triton.jit
@@ -89,13 +111,13 @@ def lora_expand(
     ranks: torch.Tensor,
     scales: torch.Tensor,
     parts: OutputParts,
-    block_n: int = 64,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """y: [split_k, T, P x R] float32 (lora_shrink's result); b: [S, N, R] with its last dim
     contiguous; out: [T, N] in b's dtype, last dim contiguous, added to in place and returned;
     ranks: [S] int32; scales: [S, P] float32; parts: the P column ranges of out (summing to N).
-    Rows of base-only tokens are left as they are."""
+    Rows of base-only tokens are left as they are. Settings left None are expand_settings(T)'s."""
     s, n, r = b.shape
     split_k, t = y.shape[:2]
     p = len(parts.sizes)
@@ -121,6 +143,9 @@ def lora_expand(
         raise ValueError("lora_expand needs the last dim of out, b and scales contiguous")
     if t == 0:
         return out
+    settings = expand_settings(t)
+    block_n = settings.block_n if block_n is None else block_n
+    num_warps = settings.num_warps if num_warps is None else num_warps
     block_r = min(64, max(16, triton.next_power_of_2(r)))
     grid = (segments.grid_blocks(), p, triton.cdiv(max(parts.sizes), block_n))
     _lora_expand_kernel[grid](

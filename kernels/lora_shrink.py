@@ -9,9 +9,14 @@ With few rows (decode) the grid over (row blocks, rank columns) is too small to 
 the memory's speed, so K is split over `split_k` programs, each writing its own float32
 partial sum: y is [split_k, T, N] and the expand kernel adds the partials as it reads them
 (no atomics, the same sums in the same order every run).
+
+The launch settings follow the number of rows (`shrink_settings`): a CUDA graph captures one
+launch per batch size, so each size may launch its own way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,6 +27,30 @@ from rollout_kernels.precision import dot_precision
 
 # Enough programs to keep a GPU's memory busy for one small shrink; split_k aims at this.
 TARGET_PROGRAMS = 256
+# A batch of at most this many token rows launches as a decode batch (both LoRA kernels).
+DECODE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class ShrinkSettings:
+    """How lora_shrink launches for some number of rows."""
+
+    block_n: int  # columns of y per program
+    block_k: int  # K per tile, for 2-byte inputs (halved for 4-byte ones)
+    max_split_k: int | None  # the most programs along K choose_split_k may give (None: its own)
+
+
+def shrink_settings(rows: int) -> ShrinkSettings:
+    """The engine's launch settings for a shrink of `rows` token rows, from a sweep of the
+    kernels on real models' projections (benchmarks/bench_lora_kernels.py --sweep).
+
+    A decode batch is one row block per slot: it splits K as far as choose_split_k goes and
+    streams A in long K tiles. Past it, every row block reads x once per column tile, so the
+    tiles are wider; and the grid is already wide, so K is split at most 4 ways (down to one
+    piece for a long prefill): each piece is a [T, N] partial the expand reads again."""
+    if rows <= DECODE_ROWS:
+        return ShrinkSettings(block_n=16, block_k=256, max_split_k=None)
+    return ShrinkSettings(block_n=32, block_k=128, max_split_k=4)
 
 
 @triton.jit
@@ -82,14 +111,16 @@ def lora_shrink(
     ranks: torch.Tensor,
     rank_stride: int | None = None,
     split_k: int | None = None,
-    block_n: int = 16,
-    block_k: int = 128,
+    block_n: int | None = None,
+    block_k: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """x: [T, K]; a: [S, N, K] (one dtype with x, last dim contiguous); segments: the rows of
     each slot (lora_segments); ranks: [S] int32, the rows of each part of A in use. N is parts
     x rank_stride (default N: one part). Returns float32 partial sums [split_k, T, N] with
-    y = result.sum(0) for every row of an adapter slot; base-only rows are not written."""
+    y = result.sum(0) for every row of an adapter slot; base-only rows are not written.
+    Settings left None are shrink_settings(T)'s; split_k None is choose_split_k's, at most
+    that max_split_k."""
     t, k = x.shape
     s, n = a.shape[:2]
     rank_stride = n if rank_stride is None else rank_stride
@@ -103,11 +134,15 @@ def lora_shrink(
         raise ValueError(f"lora_shrink: segments are of {segments.num_tokens} rows, x has {t}")
     if x.stride(-1) != 1 or a.stride(-1) != 1:
         raise ValueError("lora_shrink needs the last dim of x and a contiguous")
+    settings = shrink_settings(t)
+    block_n = settings.block_n if block_n is None else block_n
+    block_k = settings.block_k if block_k is None else block_k
     if x.element_size() > 2:
         block_k //= 2  # the same shared memory per stage as 2-byte tiles
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     if split_k is None:
         split_k = choose_split_k(segments, n, k, block_n, block_k)
+        split_k = min(split_k, settings.max_split_k or split_k)
     y = torch.empty((split_k, t, n), dtype=torch.float32, device=x.device)
     if t == 0:
         return y

@@ -1,6 +1,7 @@
 """The LoRA shrink and expand kernels against torch, on batches that mix base-only rows with
-rows of three adapters of different ranks (and an empty slot); the layer's kernel path
-against its torch path; on a GPU, a CUDA graph replaying other mixes of adapters.
+rows of three adapters of different ranks (and an empty slot), with given launch settings and
+with the engine's for each batch size; the layer's kernel path against its torch path; on a
+GPU, a CUDA graph replaying other mixes of adapters.
 
 bfloat16 runs on a GPU only: Triton's interpreter multiplies bfloat16 tiles wrongly (tl.dot)."""
 
@@ -14,7 +15,12 @@ pytest.importorskip("triton")
 from rollout.models.lora_layer import LoraBatch, LoraLayer  # noqa: E402
 from rollout_kernels.lora_expand import OutputParts, lora_expand, lora_expand_reference  # noqa: E402
 from rollout_kernels.lora_segments import lora_segments  # noqa: E402
-from rollout_kernels.lora_shrink import lora_shrink, lora_shrink_reference  # noqa: E402
+from rollout_kernels.lora_shrink import (  # noqa: E402
+    DECODE_ROWS,
+    lora_shrink,
+    lora_shrink_reference,
+    shrink_settings,
+)
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 RANKS = [8, 16, 4, 0]  # slots 0..2 hold adapters of these ranks; slot 3 is empty
@@ -108,6 +114,35 @@ def test_expand_matches_torch_for_one_projection_or_a_group(device, dtype, sizes
     torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
     base = (slots < 0) | (slots >= 4)
     assert torch.equal(got[base], out[base])  # base-only rows untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, DECODE_ROWS, DECODE_ROWS + 1, 64, 300])
+def test_the_engines_settings_for_each_batch_size_match_torch(device, dtype, rows):
+    # The kernels' defaults: the launch the engine makes for this many rows, either side of
+    # the decode batch's bound and for a prefill. K is long enough that every size splits it.
+    k, sizes = 640, (48, 16, 16)
+    p, n = len(sizes), sum(sizes)
+    slots = mixed_slots(rows, seed=rows).to(device)
+    slots[0] = 1  # at least one adapter row
+    ranks = torch.tensor(RANKS, dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(8)
+    a = (torch.randn(len(RANKS), p * R, k, generator=gen) / k**0.5).to(device, dtype)
+    b = (torch.randn(len(RANKS), n, R, generator=gen) / R**0.5).to(device, dtype)
+    x = torch.randn(rows, k, generator=gen).to(device, dtype)
+    scales = torch.rand(len(RANKS), p, generator=gen).to(device)
+    out = torch.randn(rows, n, generator=gen).to(device, dtype)
+    segments = lora_segments(slots, len(RANKS))
+    y = lora_shrink(x, a, segments, ranks, rank_stride=R)
+    assert y.shape[0] > 1
+    if rows > DECODE_ROWS:  # past a decode batch the partials stay few, down to one for a prefill
+        assert y.shape[0] <= shrink_settings(rows).max_split_k
+    want_y = lora_shrink_reference(x, a, slots, ranks, R)
+    used = (slots >= 0) & (slots < len(RANKS))
+    torch.testing.assert_close(y.sum(0)[used], want_y[used], **tol(dtype))
+    got = lora_expand(y, b, out.clone(), segments, ranks, scales, OutputParts.make(sizes, device))
+    want = lora_expand_reference(want_y, b, out, slots, scales, sizes, ranks)
+    torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
 
 
 def lora_layers(sizes: dict[str, int], in_features: int, dtype, device, max_tokens: int = 64):
