@@ -259,3 +259,23 @@ def test_build_holds_each_rows_values(device):
     plain = make_batch([SP(), SP(temperature=0.7)], device=device)
     assert plain.seen is None and plain.generated is None and plain.banned is None
     assert (plain.top_k_max, plain.use_top_p, plain.use_min_p) == (0, False, False)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7])
+def test_per_row_arrays_start_on_16_byte_boundaries_in_any_batch_size(n):
+    # The sampling kernel is a Triton kernel, built once per alignment of its pointer
+    # arguments: aligned whatever the batch's size, one build serves every batch.
+    params = [SP(temperature=0.7, top_k=3, top_p=0.9, min_p=0.01, repetition_penalty=1.1)] * n
+    batch = make_batch(params, seeds=[2**63 + i for i in range(n)], outputs=[[1, 2]] * n)
+    per_row = {
+        "temperatures": batch.temperatures, "top_ks": batch.top_ks, "top_ps": batch.top_ps,
+        "min_ps": batch.min_ps, "seeds": batch.seeds, "steps": batch.steps,
+        "repetition_penalties": batch.repetition_penalties,
+    }  # fmt: skip
+    for name, tensor in per_row.items():
+        offset = tensor.data_ptr() - tensor.untyped_storage().data_ptr()
+        assert offset % 16 == 0, (name, offset)
+        assert tensor.shape[0] == n, name
+    assert batch.top_ks.tolist() == [3] * n and batch.steps.tolist() == [2] * n
+    assert torch.allclose(batch.top_ps, torch.full((n,), 0.9))
+    assert batch.seeds.view(torch.int64).tolist() == [(2**63 + i) - 2**64 for i in range(n)]

@@ -97,13 +97,18 @@ class SamplingBatch:
         greedy = (temperature < MIN_TEMPERATURE) | (top_k == 1)
         num_greedy = int(np.count_nonzero(greedy))
         top_ks = np.where((top_k > 0) & (top_k < V), top_k, V)
-        ints = np.empty((3, n), dtype=np.int64)
-        ints[0] = top_ks
-        ints[1].view(np.uint64)[:] = [s & _MASK64 for s in seeds]
-        ints[2] = steps
-        floats = values.astype(np.float32)
-        floats[0, greedy] = 1.0
-        _to_float32_limits(floats)
+        # Each per-row array starts on a 16-byte boundary whatever the batch's size: Triton
+        # builds a kernel variant per alignment of its pointer arguments, so unpadded rows
+        # would give the sampling kernel another variant for each batch size mod 4.
+        cols = -(-n // 4) * 4
+        ints = np.zeros((3, cols), dtype=np.int64)
+        ints[0, :n] = top_ks
+        ints[1, :n].view(np.uint64)[:] = [s & _MASK64 for s in seeds]
+        ints[2, :n] = steps
+        floats = np.zeros((6, cols), dtype=np.float32)
+        floats[:, :n] = values
+        floats[0, :n][greedy] = 1.0
+        _to_float32_limits(floats[:, :n])
         host = {"ints": ints, "floats": floats, "greedy": greedy}
         # Penalties and bans are rare: their (rows, ids) pairs are built only when a row has one.
         if used[3]:
@@ -122,7 +127,7 @@ class SamplingBatch:
         if any(p.logit_bias for p in params):
             host["bias_pairs"], host["bias_values"] = _bias_arrays(params, V)
         dev = _to_device({name: a for name, a in host.items() if a is not None}, device)
-        ints, floats = dev["ints"], dev["floats"]  # [3, B], [6, B]
+        ints, floats = dev["ints"][:, :n], dev["floats"][:, :n]  # [3, B], [6, B]
         return cls(
             temperatures=floats[0].view(n, 1),
             greedy=dev["greedy"],
