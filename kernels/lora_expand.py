@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from rollout_kernels.lora_segments import LoraSegments, segment_rows
-from rollout_kernels.lora_shrink import DECODE_ROWS
+from rollout_kernels.lora_shrink import DECODE_ROWS, TUNED_ROWS
 from rollout_kernels.precision import dot_precision
 
 
@@ -53,10 +53,12 @@ def expand_settings(rows: int) -> ExpandSettings:
 
     Every column tile of a row block reads that block's y (all its partials) again, so wide
     tiles pay; a decode batch, one row block per slot, keeps them narrower to have programs
-    enough to stream B."""
+    enough to stream B. A prefill past TUNED_ROWS keeps the untuned launch."""
     if rows <= DECODE_ROWS:
         return ExpandSettings(block_n=128, num_warps=8)
-    return ExpandSettings(block_n=256, num_warps=8)
+    if rows <= TUNED_ROWS:
+        return ExpandSettings(block_n=256, num_warps=8)
+    return ExpandSettings(block_n=64, num_warps=4)
 
 
 @triton.jit

@@ -29,6 +29,9 @@ from rollout_kernels.precision import dot_precision
 TARGET_PROGRAMS = 256
 # A batch of at most this many token rows launches as a decode batch (both LoRA kernels).
 DECODE_ROWS = 16
+# The largest batch the tuned settings are for (the decode batches CUDA graphs capture); a
+# longer prefill launches as the kernels did before they were tuned.
+TUNED_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,13 @@ def shrink_settings(rows: int) -> ShrinkSettings:
     A decode batch is one row block per slot: it splits K as far as choose_split_k goes and
     streams A in long K tiles. Past it, every row block reads x once per column tile, so the
     tiles are wider; and the grid is already wide, so K is split at most 4 ways (down to one
-    piece for a long prefill): each piece is a [T, N] partial the expand reads again."""
+    piece for a long prefill): each piece is a [T, N] partial the expand reads again. A prefill
+    past TUNED_ROWS keeps the untuned launch."""
     if rows <= DECODE_ROWS:
         return ShrinkSettings(block_n=16, block_k=256, max_split_k=None)
-    return ShrinkSettings(block_n=32, block_k=128, max_split_k=4)
+    if rows <= TUNED_ROWS:
+        return ShrinkSettings(block_n=32, block_k=128, max_split_k=4)
+    return ShrinkSettings(block_n=16, block_k=128, max_split_k=None)
 
 
 @triton.jit

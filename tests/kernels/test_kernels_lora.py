@@ -135,8 +135,9 @@ def test_the_engines_settings_for_each_batch_size_match_torch(device, dtype, row
     segments = lora_segments(slots, len(RANKS))
     y = lora_shrink(x, a, segments, ranks, rank_stride=R)
     assert y.shape[0] > 1
-    if rows > DECODE_ROWS:  # past a decode batch the partials stay few, down to one for a prefill
-        assert y.shape[0] <= shrink_settings(rows).max_split_k
+    cap = shrink_settings(rows).max_split_k
+    if cap is not None:  # past a decode batch the partials stay few
+        assert y.shape[0] <= cap
     want_y = lora_shrink_reference(x, a, slots, ranks, R)
     used = (slots >= 0) & (slots < len(RANKS))
     torch.testing.assert_close(y.sum(0)[used], want_y[used], **tol(dtype))
