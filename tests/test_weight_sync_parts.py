@@ -146,6 +146,7 @@ def test_a_device_backup_gives_its_memory_back_to_the_device(finish):
     # same GPU) allocates outside torch's cache of free blocks.
     model, new = _OneBigWeight(), torch.ones(1 << 24, device="cuda")
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no free block of earlier tests' for the backup to share a segment with
     reserved = torch.cuda.memory_reserved()
     txn = WeightTransaction(model, "device")
     txn.load("weight", new)
