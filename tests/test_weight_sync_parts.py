@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -78,8 +79,16 @@ def test_rollback_restores_every_weight_bitwise(model, backup):
         view = model.hf_weight(name)
         txn.load(name, torch.randn_like(view))
     assert not _same(model, before)
+    # Once dropped, no copy on the device is referenced any more: the device's cache is
+    # emptied right then, and a copy still held would stay in it. (Host backups are slices of
+    # a buffer kept for the next update.)
+    device = backup == "device"
+    saved, alive = [weakref.ref(t) for t in txn._saved.values()] if device else [], []
+    drop = txn._drop_saved
+    txn._drop_saved = lambda: (drop(), alive.extend(r for r in saved if r() is not None))
     assert txn.rollback() is True
     assert _same(model, before)
+    assert not alive and (saved or not device)
 
 
 def test_host_backups_of_a_whole_model_share_one_buffer_of_its_size_update_after_update(model):

@@ -123,9 +123,9 @@ class WeightTransaction:
     def rollback(self) -> bool:
         """Restores every saved weight; True when the model is back to its values before the
         transaction (False: `unrecoverable()` names what could not be restored)."""
-        for name, saved in self._saved.items():
-            self.model.hf_weight(name).copy_(saved, non_blocking=True)
-        self.wait()
+        for name in self._saved:
+            self.model.hf_weight(name).copy_(self._saved[name], non_blocking=True)
+        self.wait()  # no reference to a saved tensor outlives the loop: _drop_saved frees them all
         complete = not self.unrecoverable()
         self._drop_saved()
         self.loaded.clear()
