@@ -47,6 +47,8 @@ TARGETS = [
     # Prompt logprobs from token 11 on: its first 10 tokens may come from the prefix cache.
     _req("sampled", _ids(1, 13), 11, start=11, temperature=1.0),
     _req("greedy", _ids(2, 21), 12, temperature=0.0),
+    # Filters of its own: alone a batch of one filter set, batched one set among several.
+    _req("filtered", _ids(10, 9), 20, temperature=0.9, top_k=7, top_p=0.95),
 ]
 # What they are batched with: other lengths, filters and penalties.
 FILLERS = [
@@ -119,7 +121,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_a_request_gets_the_same_bits_in_any_batch(tiny_qwen3, alone, scenario):
     options, warm = SCENARIOS[scenario]
-    reqs = FILLERS[:3] + [TARGETS[0]] + FILLERS[3:] + [TARGETS[1]]
+    reqs = FILLERS[:3] + [TARGETS[0]] + FILLERS[3:] + TARGETS[1:]
     got = _run(tiny_qwen3, reqs, first=[PREFIX_WARMER] if warm else (), **options)
     for target in TARGETS:
         result = got[target.rid]
@@ -147,6 +149,7 @@ def test_the_plan_reports_the_mode_and_refuses_what_it_cannot_keep(tiny_qwen3):
     assert plan.deterministic_inference and plan.as_dict()["deterministic_inference"] is True
     assert plan.attention_backend == plan.decode_backend == "deterministic"
     assert plan.decode_max_batch is None and plan.skinny_gemm_max_rows == 0
+    assert plan.sampling_per_filter_set and "sampling kernel per filter set" in str(plan)
     assert plan.cuda_graphs == (DEVICE == "cuda")
     off = resolve_kernel_plan(EngineOptions.from_kwargs(model_path=tiny_qwen3), dev, torch.float32)
     assert not off.deterministic_inference

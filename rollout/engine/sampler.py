@@ -34,6 +34,9 @@ def _i64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
+# The bits of SamplingBatch.filter_sets.
+FILTER_TOP_K, FILTER_TOP_P, FILTER_MIN_P = 1, 2, 4
+
 _GOLDEN = _i64(0x9E3779B97F4A7C15)
 _MIX1 = _i64(0xBF58476D1CE4E5B9)
 _MIX2 = _i64(0x94D049BB133111EB)
@@ -64,6 +67,8 @@ class SamplingBatch:
     use_min_p: bool
     # logit_bias: [N] rows, [N] ids, [N] float32 values added to those logits; None if unused.
     bias: tuple[Tensor, Tensor, Tensor] | None = None
+    # [B] on the host: the filters each row uses, FILTER_TOP_K | FILTER_TOP_P | FILTER_MIN_P.
+    filter_sets: np.ndarray | None = None
 
     @property
     def filtered(self) -> bool:
@@ -126,6 +131,11 @@ class SamplingBatch:
             host["banned"] = _pairs(ban, ban_ids)
         if any(p.logit_bias for p in params):
             host["bias_pairs"], host["bias_values"] = _bias_arrays(params, V)
+        filter_sets = (
+            np.where(top_ks < V, FILTER_TOP_K, 0)
+            | np.where(floats[1, :n] < 1.0, FILTER_TOP_P, 0)
+            | np.where(floats[2, :n] > 0.0, FILTER_MIN_P, 0)
+        ).astype(np.uint8)
         dev = _to_device({name: a for name, a in host.items() if a is not None}, device)
         ints, floats = dev["ints"][:, :n], dev["floats"][:, :n]  # [3, B], [6, B]
         return cls(
@@ -148,6 +158,7 @@ class SamplingBatch:
             use_top_p=bool(used[1]),
             use_min_p=bool(used[2]),
             bias=_with_values(dev.get("bias_pairs"), dev.get("bias_values")),
+            filter_sets=filter_sets,
         )
 
 
@@ -269,14 +280,20 @@ def apply_penalties_and_masks(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits
 
 
-def sample(logits: Tensor, batch: SamplingBatch, use_kernel: bool = False) -> Tensor:
+def sample(
+    logits: Tensor, batch: SamplingBatch, use_kernel: bool = False, per_filter_set: bool = False
+) -> Tensor:
     """logits: [B, V] float32 (penalized in place). Returns [B] int64 token ids: the argmax on
     greedy rows, else a draw from softmax(logits / T) restricted by top-k, top-p, min-p.
     use_kernel: filter and draw in one Triton kernel (rollout_kernels.sampling, same noise,
-    one pass per filter over each row) instead of ~20 torch ops over [B, V] int64 temporaries."""
+    one pass per filter over each row) instead of ~20 torch ops over [B, V] int64 temporaries.
+    per_filter_set: the kernel launched once for the rows of each filter set, so that every
+    row's draw is the same bits whatever else is in the batch (deterministic inference)."""
     apply_penalties_and_masks(logits, batch)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
+    if per_filter_set:
+        return _sample_per_filter_set(logits, batch)
     if use_kernel:
         from rollout_kernels.sampling import sample_tokens
 
@@ -290,6 +307,38 @@ def sample(logits: Tensor, batch: SamplingBatch, use_kernel: bool = False) -> Te
     tokens = torch.cat(
         [_sample_rows(logits[i : i + step], batch, slice(i, i + step)) for i in range(0, B, step)]
     )
+    if batch.any_greedy:
+        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
+    return tokens
+
+
+def _sample_per_filter_set(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """sample's per_filter_set: a launch of the sampling kernel for each filter set among the
+    rows (one for the usual batch, whose rows share their parameters), with that set's passes
+    only; greedy rows take the argmax, as alone."""
+    from rollout_kernels.sampling import sample_tokens
+
+    assert batch.filter_sets is not None
+    per_row = (
+        batch.temperatures.reshape(-1), batch.greedy, batch.top_ks, batch.top_ps, batch.min_ps,
+        batch.seeds, batch.steps,
+    )  # fmt: skip
+
+    def draw(rows_logits: Tensor, per_row: tuple[Tensor, ...], filters: int) -> Tensor:
+        return sample_tokens(
+            rows_logits, *per_row, use_top_k=bool(filters & FILTER_TOP_K),
+            use_top_p=bool(filters & FILTER_TOP_P), use_min_p=bool(filters & FILTER_MIN_P),
+        )  # fmt: skip
+
+    sets = np.unique(batch.filter_sets)
+    if len(sets) == 1:
+        tokens = draw(logits, per_row, int(sets[0]))
+    else:
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        for filters in sets.tolist():
+            rows = np.flatnonzero(batch.filter_sets == filters)
+            index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
+            tokens[index] = draw(logits[index], tuple(t[index] for t in per_row), filters)
     if batch.any_greedy:
         tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
     return tokens

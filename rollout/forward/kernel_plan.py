@@ -56,8 +56,10 @@ class KernelPlan:
     sampling_kernel_min_rows: int  # ... for batches with filters from this many rows on
     # Batch-invariant kernels throughout (enable_deterministic_inference): the batch-invariant
     # GEMM in every linear layer and the LM head, the deterministic attention backend for
-    # every step, and torch's sampler (per row, whatever the batch: sampler.py) for every batch.
+    # every step, and the sampling kernel launched once per filter set among the batch's rows
+    # (sampling_per_filter_set: a row runs the passes of its own filters, whatever the batch).
     deterministic_inference: bool = False
+    sampling_per_filter_set: bool = False
     # Tensor parallelism: each row-parallel projection's all-reduce fused with the residual add
     # and the norm after it (enable_flashinfer_allreduce_fusion; forward/all_reduce_norm.py).
     allreduce_fusion: bool = False
@@ -79,6 +81,8 @@ class KernelPlan:
         skinny = f"up to {self.skinny_gemm_max_rows} rows" if self.skinny_gemm_max_rows else "off"
         fused = "on" if self.fused_kernels else "off"
         sampling = "kernel" if self.sampling_kernel else "torch"
+        if self.sampling_per_filter_set:
+            sampling = "kernel per filter set"
         return (
             f"attention {self.attention_backend}, decode {self.decode_attention}, fused kernels "
             f"{fused}, skinny GEMM {skinny}, CUDA graphs {graphs}, sampling {sampling}"
@@ -179,10 +183,11 @@ def _deterministic_plan(options: EngineOptions, device: torch.device) -> KernelP
         cuda_graphs=graphs,
         cuda_graph_max_bs=min(max_bs, MAX_GRAPH_BATCH_SIZE) if graphs else 0,
         # The kernel's passes follow the batch's filters (a row without top-p runs the top-p
-        # pass when another row has one); torch's sampler leaves such rows untouched.
+        # pass when another row has one): here each filter set's rows get a launch of their own.
         sampling_kernel=False,
         sampling_kernel_min_rows=SAMPLING_KERNEL_MIN_ROWS,
         deterministic_inference=True,
+        sampling_per_filter_set=True,
     )
 
 

@@ -160,3 +160,21 @@ def test_sampler_kernel_path_applies_penalties_and_bans_first(device):
     batch = SamplingBatch.build(params, [1, 2, 3, 4], outputs, [[1, 3]] * 4, [2], VOCAB, device)
     want = sample(logits.clone(), batch)
     assert sample(logits.clone(), batch, use_kernel=True).tolist() == want.tolist()
+
+
+def test_per_filter_set_each_row_draws_what_it_draws_alone(device):
+    # Deterministic inference: every row runs its own filters' passes, so a row's token does
+    # not depend on what else is in the batch, or where; and it is the sampler's token.
+    gen = torch.Generator().manual_seed(4)
+    seeds = [11, 2**64 - 3, 7, 123456789, 0, 5, 99, 2**40 + 1, 17, 3]
+    logits = torch.randn(len(ROWS), VOCAB, generator=gen).mul(2).to(device)
+    batch = _batch(ROWS, seeds, list(range(len(ROWS))), device)
+    assert len(set(batch.filter_sets.tolist())) > 4  # a mix of filter sets, and no filter
+    got = sample(logits.clone(), batch, per_filter_set=True)
+    assert got.tolist() == sample(logits.clone(), batch).tolist()
+    for i in range(len(ROWS)):
+        alone = sample(logits[i : i + 1].clone(), _batch([ROWS[i]], [seeds[i]], [i], device), per_filter_set=True)
+        assert alone.tolist() == [got[i].item()], ROWS[i]
+    order = list(reversed(range(len(ROWS))))
+    flipped = _batch([ROWS[i] for i in order], [seeds[i] for i in order], order, device)
+    assert sample(logits[order].clone(), flipped, per_filter_set=True).tolist() == got[order].tolist()
