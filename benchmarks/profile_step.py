@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--trace", help="also write the profiled decode steps as a Chrome trace here")
     parser.add_argument("--deterministic-inference", action="store_true", help="the batch-invariant kernels (issue 24)")
+    parser.add_argument("--return-logprob", action="store_true", help="every request returns its tokens' logprobs")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1: no filter)")
     parser.add_argument("--lora-ranks", type=int, nargs="+", default=[],
                         help="one random adapter (all projections) per rank given; the requests take them in turn")  # fmt: skip
     args = parser.parse_args()
@@ -81,9 +83,11 @@ def main() -> None:
     rng = random.Random(0)
     for i in range(args.batch):
         ids = [rng.randrange(10000) for _ in range(args.prompt_len)]
-        params = SamplingParams(temperature=0.6, ignore_eos=True, max_new_tokens=4 * args.steps)
+        params = SamplingParams(temperature=0.6, top_p=args.top_p, ignore_eos=True, max_new_tokens=4 * args.steps)
         lora = adapters[i % len(adapters)] if adapters else None
-        sched.add_request(TokenizedRequest(f"r{i}", ids, params, seed=i, lora_name=lora))
+        sched.add_request(
+            TokenizedRequest(f"r{i}", ids, params, seed=i, lora_name=lora, return_logprob=args.return_logprob)
+        )
     if args.extend:
         profile_extend(sched, args.batch * args.prompt_len)
         return
