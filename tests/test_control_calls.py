@@ -57,6 +57,21 @@ def _one_of_each(sent) -> list:
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("a:b", "must not contain ':'"),
+        ("a\x00b", "must not contain control characters, got U.0000 at position 1"),
+        ("tab\there", "must not contain control characters, got U.0009"),
+        ("s\ud800", "is not valid Unicode"),
+    ],
+)
+def test_an_adapter_name_that_lists_badly_is_refused(name, message):
+    with pytest.raises(InvalidRequest, match=f"lora_name {message}"):
+        LoadLoraAdapter(name, "/adapters/math")
+    assert LoadLoraAdapter("org/math-v2 ü", "/adapters/math").lora_name == "org/math-v2 ü"
+
+
 def test_every_call_crosses_as_json_and_comes_back_equal():
     sent = share_tensors([("w", torch.randn(4, 4))])
     samples = _one_of_each(sent)

@@ -180,6 +180,8 @@ def test_bad_session_calls_are_refused_clearly(engine):
             engine.open_session(100, session_id="s\ud800")  # JSON's lone "\ud800": no answer holds it
         with pytest.raises(InvalidRequest, match="is not open"):
             engine.close_session("s\ud800")
+        with pytest.raises(InvalidRequest, match="session_id must not contain control characters, got U.000A at position 1"):
+            engine.open_session(100, session_id="s\nINFO forged log line")
         engine.generate(input_ids=_ids(60, 10), sampling_params=GREEDY, session_params={"id": sid}, rid="x")
         with pytest.raises(InvalidRequest, match="rid 'x' is already a turn"):
             engine.generate(input_ids=[5], sampling_params=GREEDY, session_params={"id": sid}, rid="x")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rollout.control import ControlCall, nonempty_str, settle
-from rollout.engine.request_limits import check_unicode
+from rollout.engine.request_limits import check_label
 from rollout.errors import InvalidRequest
 
 
@@ -30,7 +30,7 @@ class LoadLoraAdapter(ControlCall):
     def __post_init__(self) -> None:
         nonempty_str(self.lora_name, "lora_name")
         nonempty_str(self.lora_path, "lora_path")
-        check_unicode(self.lora_name, "lora_name")  # it is named in every listing of adapters
+        check_label(self.lora_name, "lora_name")  # it is named in every listing of adapters
         if ":" in self.lora_name:
             raise InvalidRequest(
                 f"lora_name must not contain ':' (the OpenAI API's model is '<base>:<adapter>'), "

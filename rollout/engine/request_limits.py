@@ -6,6 +6,7 @@ Each check raises ValueError naming the bound (the option that sets it) and the 
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -95,6 +96,18 @@ def check_unicode(text: str, what: str) -> None:
     tokenizer and no UTF-8 response can carry."""
     if not text.isascii():
         _utf8_size(text, what)
+
+
+def check_label(text: str, what: str) -> None:
+    """A name the engine lists, logs and answers with (an adapter's, a session's): valid
+    Unicode without control characters (newlines, NUL, terminal escapes)."""
+    check_unicode(text, what)
+    at = next((i for i, c in enumerate(text) if unicodedata.category(c) == "Cc"), None)
+    if at is not None:
+        raise InvalidRequest(
+            f"{what} must not contain control characters, got U+{ord(text[at]):04X} at "
+            f"position {at} of {text!r:.200}"
+        )
 
 
 def _utf8_size(text: str, what: str) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from rollout.control import is_int, nonempty_str
 from rollout.engine.messages import TokenizedRequest
-from rollout.engine.request_limits import check_unicode
+from rollout.engine.request_limits import check_label
 from rollout.engine.request_validation import validate_prompt_length
 from rollout.errors import InvalidRequest
 
@@ -58,7 +58,7 @@ class SessionBook:
             )
         if session_id is not None:
             nonempty_str(session_id, "session_id")
-            check_unicode(session_id, "session_id")  # open_session answers it
+            check_label(session_id, "session_id")  # open_session answers it
         session_id = session_id or uuid.uuid4().hex
         if session_id in self.sessions:
             raise InvalidRequest(f"session {session_id!r} is already open")
