@@ -21,7 +21,7 @@ GPU_TESTS=${GPU_TESTS:-tests/test_gpu_engine.py tests/test_gpu_fast_path.py test
   tests/test_gpu_lora_sync.py tests/kernels tests/test_sampler.py tests/test_sampling_edges.py \
   tests/test_logit_bias.py tests/test_deterministic_inference.py tests/test_parity_model.py \
   tests/test_control_no_stall.py tests/test_weight_sync_gpu.py tests/test_weight_group_join.py \
-  tests/test_req_to_token.py tests/test_gpu_warm_up.py}
+  tests/test_req_to_token.py tests/test_gpu_warm_up.py tests/test_gpu_grammar.py}
 if [ "$GPU_TESTS" != none ]; then
   SECONDS=0
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -p no:cacheprovider --durations=15 \
