@@ -3,7 +3,8 @@
 #   bash benchmarks/two_queues.sh QUEUE_FILE_0 QUEUE_FILE_1
 # Each queue file holds one command per line, "SECONDS LINES COMMAND...", run in order on its own
 # GPU (CUDA_VISIBLE_DEVICES=0 or 1) under `timeout SECONDS`, the last LINES non-empty lines of its
-# output kept in $OUT/log (all of it in $OUT/q0.log and $OUT/q1.log); blank lines and lines
+# output kept in $OUT/log (all of it in $OUT/q0.log and $OUT/q1.log; commands may write up to
+# three files of their own into $OUT beside these and the two kernel caches); blank lines and lines
 # starting with # are skipped. The two queues run side by side: timings to compare belong in the
 # same queue (one GPU), tests and one-off runs in the other. Installs the carried wheels and
 # kernel caches as gpu_session.sh does, and keeps NVLink multicast off.
@@ -11,6 +12,7 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source benchmarks/device_env.sh
 T0=$(date +%s)
+TMP=$(mktemp -d)  # step files stay out of $OUT: a call brings back at most 8 files
 date -u +%Y-%m-%dT%H:%M:%SZ >> "$OUT/log"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader >> "$OUT/log"
 
@@ -20,11 +22,11 @@ run_queue() {  # run_queue GPU FILE
     case "$t" in ""|\#*) continue ;; esac
     local head="== [gpu $gpu $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $cmd"
     echo "$head" >> "$OUT/q$gpu.log"
-    CUDA_VISIBLE_DEVICES=$gpu timeout "$t" bash -c "$cmd" < /dev/null > "$OUT/q$gpu.step" 2>&1
-    echo "rc=$?" >> "$OUT/q$gpu.step"
-    cat "$OUT/q$gpu.step" >> "$OUT/q$gpu.log"
-    { echo "$head"; grep -v "^\s*$" "$OUT/q$gpu.step" | tail -n "$n"; } > "$OUT/q$gpu.kept"
-    flock "$OUT/log" cat "$OUT/q$gpu.kept" >> "$OUT/log"
+    CUDA_VISIBLE_DEVICES=$gpu timeout "$t" bash -c "$cmd" < /dev/null > "$TMP/q$gpu.step" 2>&1
+    echo "rc=$?" >> "$TMP/q$gpu.step"
+    cat "$TMP/q$gpu.step" >> "$OUT/q$gpu.log"
+    { echo "$head"; grep -v "^\s*$" "$TMP/q$gpu.step" | tail -n "$n"; } > "$TMP/q$gpu.kept"
+    flock "$OUT/log" cat "$TMP/q$gpu.kept" >> "$OUT/log"
   done < "$file"
 }
 
