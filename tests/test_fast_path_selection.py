@@ -200,7 +200,7 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
         "skinny_gemm_min_weight": SKINNY_MIN_WEIGHT,
         "cuda_graphs": True, "cuda_graph_max_bs": 256, "sampling_kernel": True,
         "sampling_kernel_min_rows": 32, "deterministic_inference": False,
-        "sampling_per_filter_set": False,
+        "sampling_per_filter_set": False, "logprob_kernel": True,
         "allreduce_fusion": False,
     }  # fmt: skip
     assert str(plan) == (

@@ -96,7 +96,7 @@ class ModelRunner:
         self._init_attention(options, num_kv_heads, head_dim)
         # The heads turn a step's final hidden states into its outputs.
         self.sampling_head = SamplingHead(eos_token_ids, self.last_token, self.kernel_plan)
-        self.logprob_head = LogprobHead(self.device)
+        self.logprob_head = LogprobHead(self.device, read_once=self.kernel_plan.logprob_kernel)
         self.pooling_head = PoolingHead(self.model)
         # Rank 0 of several: sends each batch to the other ranks before launching it.
         self.step_sender: StepSender | None = None
@@ -217,7 +217,7 @@ class ModelRunner:
         logits = self.model.compute_logits(selected)  # [R, V] float32
         lp_rows = self.logprob_head.rows_of(reqs, rows)
         # Before sampling, which penalizes the logits in place.
-        logprobs = self.logprob_head.log_softmax(logits, lp_rows) if lp_rows else None
+        scored = self.logprob_head.score(reqs, rows, logits, lp_rows) if lp_rows else None
         sample_rows = [k for k, row in enumerate(rows) if row.kind == "sample"]
         tokens = None
         if sample_rows:
@@ -230,8 +230,8 @@ class ModelRunner:
             hidden = [k for k in sample_rows if reqs[rows[k].req].req.return_hidden_states]
             if hidden:
                 out["hidden"] = selected[to_device(hidden, self.device)].float()
-        if logprobs is not None:
-            self.logprob_head.queue(reqs, rows, lp_rows, sample_rows, logprobs, tokens, out)
+        if scored is not None:
+            self.logprob_head.queue(reqs, rows, lp_rows, sample_rows, scored, tokens, out)
 
     def _build_decode(self, batch: ScheduleBatch) -> tuple[ForwardBatch, list[int], list[LogitRow]]:
         """Tensors for a decode forward, plus which hidden rows need outputs and why: one token

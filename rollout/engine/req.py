@@ -67,6 +67,13 @@ class Req:
         return self.req.rid
 
     @property
+    def changes_logits(self) -> bool:
+        """Does sampling change this request's logits in place (penalties, a grammar's mask,
+        logit_bias, or bans while below min_new_tokens)?"""
+        p = self.req.params
+        return self.penalizes or bool(p.logit_bias) or p.min_new_tokens > 0
+
+    @property
     def prompt_ids(self) -> list[int]:
         return self.req.input_ids
 

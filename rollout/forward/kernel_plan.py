@@ -60,6 +60,9 @@ class KernelPlan:
     # (sampling_per_filter_set: a row runs the passes of its own filters, whatever the batch).
     deterministic_inference: bool = False
     sampling_per_filter_set: bool = False
+    # Logprobs from each row's logsumexp in one read of its logits (rollout_kernels.row_logsumexp)
+    # rather than the [R, V] log-softmax; see engine/logprob_head.py.
+    logprob_kernel: bool = False
     # Tensor parallelism: each row-parallel projection's all-reduce fused with the residual add
     # and the norm after it (enable_flashinfer_allreduce_fusion; forward/all_reduce_norm.py).
     allreduce_fusion: bool = False
@@ -128,6 +131,7 @@ def resolve_kernel_plan(
         cuda_graph_max_bs=min(max_bs, MAX_GRAPH_BATCH_SIZE) if graphs else 0,
         sampling_kernel=fused,
         sampling_kernel_min_rows=SAMPLING_KERNEL_MIN_ROWS,
+        logprob_kernel=fused and device.type == "cuda",
         allreduce_fusion=_allreduce_fusion(options, device, dtype),
     )
 
