@@ -39,7 +39,7 @@ def engine(tiny_qwen2, request):
 
 @pytest.mark.parametrize("filters", [{}, {"top_p": 0.95}], ids=["no-filter", "top-p"])
 def test_json_schema_outputs_always_validate(engine, filters):
-    params = {"temperature": 1.0, "max_new_tokens": 64, "n": 64, "seed": 7, "json_schema": SCHEMA, **filters}
+    params = {"temperature": 1.0, "max_new_tokens": 128, "n": 64, "seed": 7, "json_schema": SCHEMA, **filters}
     outs = engine.generate(prompt="Plan a trip:", sampling_params=params)
     assert len(outs) == 64
     for out in outs:
@@ -52,7 +52,7 @@ def test_logit_bias_forces_and_bans_beside_constrained_rows(engine):
     forced = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "logit_bias": {"7": 100.0}}
     banned = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 6, "ignore_eos": True,
               "logit_bias": {"7": -100.0}}  # fmt: skip
-    constrained = {"temperature": 1.0, "max_new_tokens": 64, "seed": 3, "json_schema": SCHEMA}
+    constrained = {"temperature": 1.0, "max_new_tokens": 128, "seed": 3, "json_schema": SCHEMA}
     outs = engine.generate(
         prompt=["Hello there"] * 48,
         sampling_params=[forced] * 16 + [banned] * 16 + [constrained] * 16,
