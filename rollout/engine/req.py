@@ -44,6 +44,9 @@ class Req:
     # penalties)? Then each token must be on the host before the next one is sampled. Read
     # once from the params (they never change): the scheduler asks every step.
     penalizes: bool = field(init=False)
+    # Does sampling change its logits in place (penalties, a grammar's mask, logit_bias, or bans
+    # while below min_new_tokens)? Then its logprobs are read before sampling (logprob_head.py).
+    changes_logits: bool = field(init=False)
     # Where the output stands in the request's grammar (json_schema, regex, ...): set once the
     # grammar is compiled, before the request is first scheduled. Its mask reads the tokens so
     # far, so a request with a grammar `penalizes` too.
@@ -61,17 +64,11 @@ class Req:
         )
         if p.grammar is not None:
             self.penalizes = True
+        self.changes_logits = self.penalizes or bool(p.logit_bias) or p.min_new_tokens > 0
 
     @property
     def rid(self) -> str:
         return self.req.rid
-
-    @property
-    def changes_logits(self) -> bool:
-        """Does sampling change this request's logits in place (penalties, a grammar's mask,
-        logit_bias, or bans while below min_new_tokens)?"""
-        p = self.req.params
-        return self.penalizes or bool(p.logit_bias) or p.min_new_tokens > 0
 
     @property
     def prompt_ids(self) -> list[int]:

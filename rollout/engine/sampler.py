@@ -67,7 +67,8 @@ class SamplingBatch:
     use_min_p: bool
     # logit_bias: [N] rows, [N] ids, [N] float32 values added to those logits; None if unused.
     bias: tuple[Tensor, Tensor, Tensor] | None = None
-    # [B] on the host: the filters each row uses, FILTER_TOP_K | FILTER_TOP_P | FILTER_MIN_P.
+    # [B] on the host: the filters each row uses, FILTER_TOP_K | FILTER_TOP_P | FILTER_MIN_P;
+    # built only when asked (build's per_filter_set).
     filter_sets: np.ndarray | None = None
 
     @property
@@ -86,10 +87,12 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         steps: list[int] | None = None,
+        per_filter_set: bool = False,
     ) -> SamplingBatch:
         """All lists are per request, in row order. Seeds are any Python ints (taken mod 2^64).
         `steps`: tokens each request has generated so far, when output_ids lag behind (they must
-        not for a request with penalties); defaults to len(output_ids[i]).
+        not for a request with penalties); defaults to len(output_ids[i]). `per_filter_set`:
+        also note each row's filters (filter_sets), for sample's per_filter_set.
         All goes to `device` in one non-blocking copy: building never waits for the device."""
         n, V = len(params), vocab_size
         steps = [len(ids) for ids in output_ids] if steps is None else steps
@@ -131,11 +134,13 @@ class SamplingBatch:
             host["banned"] = _pairs(ban, ban_ids)
         if any(p.logit_bias for p in params):
             host["bias_pairs"], host["bias_values"] = _bias_arrays(params, V)
-        filter_sets = (
-            np.where(top_ks < V, FILTER_TOP_K, 0)
-            | np.where(floats[1, :n] < 1.0, FILTER_TOP_P, 0)
-            | np.where(floats[2, :n] > 0.0, FILTER_MIN_P, 0)
-        ).astype(np.uint8)
+        filter_sets = None
+        if per_filter_set:
+            filter_sets = (
+                np.where(top_ks < V, FILTER_TOP_K, 0)
+                | np.where(floats[1, :n] < 1.0, FILTER_TOP_P, 0)
+                | np.where(floats[2, :n] > 0.0, FILTER_MIN_P, 0)
+            ).astype(np.uint8)
         dev = _to_device({name: a for name, a in host.items() if a is not None}, device)
         ints, floats = dev["ints"][:, :n], dev["floats"][:, :n]  # [3, B], [6, B]
         return cls(

@@ -51,13 +51,13 @@ class SamplingHead:
             logits.shape[-1],
             self.device,
             steps=steps,
+            per_filter_set=self.kernel_plan.sampling_per_filter_set,
         )
         constrained = [k for k, r in enumerate(sreqs) if r.grammar is not None]
         if constrained:
             self._mask_grammars(logits, sreqs, constrained)
-        plan = self.kernel_plan
-        kernel = plan.samples_with_kernel(len(rows), sampling.filtered)
-        tokens = sample(logits, sampling, kernel, per_filter_set=plan.sampling_per_filter_set)
+        kernel = self.kernel_plan.samples_with_kernel(len(rows), sampling.filtered)
+        tokens = sample(logits, sampling, kernel, self.kernel_plan.sampling_per_filter_set)
         if table_rows is None:
             table_rows = to_device([r.row for r in sreqs], self.device)
         self.last_token[table_rows] = tokens

@@ -24,9 +24,13 @@ def _kernel_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     )
 
 
-def _batch(params: list[SamplingParams], seeds: list[int], steps: list[int], device: str) -> SamplingBatch:
+def _batch(
+    params: list[SamplingParams], seeds: list[int], steps: list[int], device: str, per_filter_set: bool = False
+) -> SamplingBatch:
     outputs = [[5] * n for n in steps]
-    return SamplingBatch.build(params, seeds, outputs, [[1]] * len(params), [2], VOCAB, device)
+    return SamplingBatch.build(
+        params, seeds, outputs, [[1]] * len(params), [2], VOCAB, device, per_filter_set=per_filter_set
+    )
 
 
 ROWS = [
@@ -168,13 +172,13 @@ def test_per_filter_set_each_row_draws_what_it_draws_alone(device):
     gen = torch.Generator().manual_seed(4)
     seeds = [11, 2**64 - 3, 7, 123456789, 0, 5, 99, 2**40 + 1, 17, 3]
     logits = torch.randn(len(ROWS), VOCAB, generator=gen).mul(2).to(device)
-    batch = _batch(ROWS, seeds, list(range(len(ROWS))), device)
+    batch = _batch(ROWS, seeds, list(range(len(ROWS))), device, per_filter_set=True)
     assert len(set(batch.filter_sets.tolist())) > 4  # a mix of filter sets, and no filter
     got = sample(logits.clone(), batch, per_filter_set=True)
     assert got.tolist() == sample(logits.clone(), batch).tolist()
     for i in range(len(ROWS)):
-        alone = sample(logits[i : i + 1].clone(), _batch([ROWS[i]], [seeds[i]], [i], device), per_filter_set=True)
+        alone = sample(logits[i : i + 1].clone(), _batch([ROWS[i]], [seeds[i]], [i], device, True), per_filter_set=True)
         assert alone.tolist() == [got[i].item()], ROWS[i]
     order = list(reversed(range(len(ROWS))))
-    flipped = _batch([ROWS[i] for i in order], [seeds[i] for i in order], order, device)
+    flipped = _batch([ROWS[i] for i in order], [seeds[i] for i in order], order, device, True)
     assert sample(logits[order].clone(), flipped, per_filter_set=True).tolist() == got[order].tolist()
