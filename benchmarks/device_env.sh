@@ -1,7 +1,12 @@
 # Sourced by gpu_session.sh and multi_gpu_session.sh on the GPU machine (repo root): installs the
 # wheels brought in .whl/, sets the environment, restores the compiled kernels carried in .jit/
 # (once per machine), and defines save_jit_cache, which puts them in $OUT to carry next time.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# Once per machine: a script sourced again (a queue's step running multi_gpu_session.sh) must not
+# reinstall under processes that are importing from /tmp/site.
+if [ ! -f /tmp/site-installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  touch /tmp/site-installed
+fi
 # The Triton kernels in kernels/ import as rollout_kernels (pyproject's package-dir).
 ln -sfn "$PWD/kernels" /tmp/site/rollout_kernels
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
