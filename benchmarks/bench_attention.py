@@ -94,6 +94,7 @@ def main() -> None:
         help="FlashInfer variants to time (each kv dtype and group size JIT-compiles its own modules)",
     )  # fmt: skip
     parser.add_argument("--split-keys", type=int, nargs="*", default=[], help="Triton piece lengths to time")
+    parser.add_argument("--max-splits", type=int, default=None, help="Triton's most pieces a request is cut into")
     parser.add_argument(
         "--triton-configs", nargs="*", default=[],
         help="Triton launches to time, each BLOCK_N,num_warps,num_stages (e.g. 64,4,3 128,8,2)",
@@ -162,16 +163,18 @@ def main() -> None:
             print(json.dumps({"kernel": name, "error": str(e)[:200]}))
     def triton_kernel(split_keys: int | None, config: dict):
         def run(x: torch.Tensor) -> torch.Tensor:
-            default = triton_decode.MIN_KEYS_PER_SPLIT
+            defaults = triton_decode.MIN_KEYS_PER_SPLIT, triton_decode.MAX_SPLITS
             if split_keys is not None:
                 triton_decode.MIN_KEYS_PER_SPLIT = split_keys
+            if args.max_splits is not None:
+                triton_decode.MAX_SPLITS = args.max_splits
             try:
                 splits = triton_decode.choose_num_splits(max(lengths))
                 return triton_decode.decode_attention(
                     x, k_cache, v_cache, req_to_token, rows, seq_lens, scale, splits, **config
                 )
             finally:
-                triton_decode.MIN_KEYS_PER_SPLIT = default
+                triton_decode.MIN_KEYS_PER_SPLIT, triton_decode.MAX_SPLITS = defaults
 
         return run
 
