@@ -23,7 +23,7 @@ run_queue() {  # run_queue N GPUS FILE
     case "$t" in ""|\#*) continue ;; esac
     local head="== [q$q gpu $gpus $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $cmd"
     echo "$head" >> "$OUT/q$q.log"
-    CUDA_VISIBLE_DEVICES=$gpus timeout "$t" bash -c "$cmd" < /dev/null > "$TMP/q$q.step" 2>&1
+    CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "$t" bash -c "$cmd" < /dev/null > "$TMP/q$q.step" 2>&1
     echo "rc=$?" >> "$TMP/q$q.step"
     cat "$TMP/q$q.step" >> "$OUT/q$q.log"
     { echo "$head"; grep -v "^\s*$" "$TMP/q$q.step" | tail -n "$n"; } > "$TMP/q$q.kept"
