@@ -29,6 +29,7 @@ from rollout.forward.tensor_parallel import TPGroup
 from rollout.models.loader import load_model
 from rollout.weight_sync.calls import (
     ContinueGeneration,
+    DestroyWeightsUpdateGroup,
     GetWeightsByName,
     PauseGeneration,
     UpdateWeightsFromDisk,
@@ -134,6 +135,30 @@ def two_ranks(tiny_qwen3):
     rank1 = RankWeights(FakeEngine(models[1], config), options, CALLS, rank=1, size=2)
     controller.use_other_ranks(InProcessRanks(rank1.handlers()))
     return controller, rank1
+
+
+def test_rank_0_leaves_a_group_while_the_other_ranks_do(two_ranks, monkeypatch):
+    """NCCL's shutdown of a group waits for every rank of it: rank 0 must not wait for its own
+    before the other ranks were asked to leave (a tp 2 engine hung there on GPUs). A rank that
+    fails to leave is named."""
+    controller, _ = two_ranks
+    events, ranks = [], controller.others.ranks
+    start = ranks.start
+
+    def recording_start(handler: str, *args: Any) -> Callable[[], Sequence[Answer]]:
+        events.append(f"asked {handler}")
+        wait = start(handler, *args)
+        return lambda: (events.append(f"answered {handler}"), wait())[1]
+
+    def leave_here(name: str) -> dict:
+        events.append(f"rank 0 left {name}")
+        return {"message": f"left {name!r}"}
+
+    monkeypatch.setattr(ranks, "start", recording_start)
+    monkeypatch.setattr(controller.groups, "leave", leave_here)
+    with pytest.raises(WeightSyncError, match="rank 1 failed leaving: .*no weight update group 'g'"):
+        controller.destroy_weights_update_group(DestroyWeightsUpdateGroup("g"))
+    assert events == ["asked weights_leave", "rank 0 left g", "answered weights_leave"]
 
 
 def _snapshot(model) -> dict[str, torch.Tensor]:

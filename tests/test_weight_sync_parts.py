@@ -338,6 +338,28 @@ def test_joining_a_group_nobody_hosts_fails_within_its_timeout():
     assert time.monotonic() - start < 10
 
 
+def test_leaving_an_nccl_group_whose_peers_are_stuck_ends_within_two_timeouts():
+    """An NCCL group whose other ranks never leave: its shutdown waits for them, and the abort
+    that follows can wait on that shutdown (a trainer hung here on GPUs). Leaving still ends,
+    after the shutdown's and the abort's timeouts, and the group is closed."""
+    import threading
+
+    stuck = threading.Event()
+
+    class StuckGroup:
+        def shutdown(self) -> None:
+            stuck.wait(30)
+
+        def abort(self) -> None:
+            stuck.wait(30)
+
+    group = UpdateGroup("stuck", "nccl", 0, 2, 0.2, torch.device("cpu"), StuckGroup(), object())
+    start = time.monotonic()
+    group.close()
+    assert time.monotonic() - start < 2 and group.closed
+    stuck.set()
+
+
 def test_a_flattened_bucket_is_one_broadcast_of_every_tensors_bytes():
     """SGLang's flattened_bucket wire format: one uint8 broadcast, tensors back to back with no
     padding (so a float32 may start at an odd byte: it is copied out, not viewed)."""

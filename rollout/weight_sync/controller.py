@@ -156,11 +156,10 @@ class WeightSyncController:
             try:
                 here.finish()
             except Exception:
-                others.leave(name)  # those that joined; the others have nothing to leave
+                others.start_leave(name)()  # those that joined; the others have nothing to leave
                 raise
             if failures:
-                self.groups.leave(name)
-                others.leave(name)
+                self._leave_on_every_rank(name, others)
                 raise WeightSyncError("; ".join(failures))
             last = call.rank_offset + size - 1
             return {
@@ -174,12 +173,22 @@ class WeightSyncController:
         waiting = self.groups.after_join(call.group_name, retry)
         if waiting is not None:
             return waiting
-        out = self.groups.leave(call.group_name)
-        if self.others is not None:
-            failures = self.others.leave(call.group_name)
-            if failures:
-                raise WeightSyncError("; ".join(failures))
+        if self.others is None:
+            return self.groups.leave(call.group_name)
+        out, failures = self._leave_on_every_rank(call.group_name, self.others)
+        if failures:
+            raise WeightSyncError("; ".join(failures))
         return out
+
+    def _leave_on_every_rank(self, name: str, others: OtherRankWeights) -> tuple[dict, list[str]]:
+        """Rank 0 leaves `name` while the other ranks do (NCCL's shutdown waits for every rank
+        of the group); rank 0's reply and the other ranks' failures."""
+        answers = others.start_leave(name)
+        try:
+            out = self.groups.leave(name)
+        finally:
+            failures = answers()
+        return out, failures
 
     # ---- the three sources ------------------------------------------------------------------
     def update_weights_from_distributed(

@@ -133,8 +133,13 @@ class OtherRankWeights:
         """Waits for every other rank's join to end; each failure, naming its rank."""
         return _failures(self.ranks.call(JOINED, group_name), "joining")
 
-    def leave(self, group_name: str) -> list[str]:
-        return _failures(self.ranks.call(LEAVE, group_name), "leaving")
+    def start_leave(self, group_name: str) -> Callable[[], list[str]]:
+        """Every other rank starts leaving; the function returned waits for them, giving each
+        failure. Rank 0 leaves in between: an NCCL group's shutdown waits for all its ranks,
+        so no rank may wait for its own before the others were asked."""
+        self.settle()
+        pending = self.ranks.start(LEAVE, group_name)
+        return lambda: _failures(pending(), "leaving")
 
     # ---- reading and memory -------------------------------------------------------------------
     def gather_rows(

@@ -166,14 +166,20 @@ class UpdateGroup:
                 self.name, self.timeout_s,
             )  # fmt: skip
             failed = True
+        if failed:
+            # Bounded too: an abort that follows a shutdown still under way can wait on it.
+            if not _within(held[0].abort, self.timeout_s):
+                logger.warning(
+                    "weight update group %r: its abort did not end within %g s; left to a "
+                    "background thread", self.name, self.timeout_s,
+                )  # fmt: skip
+            threading.Thread(target=held.clear, name=f"drop-{self.name}", daemon=True).start()
+            return
         try:
-            held[0].abort() if failed else held[0].shutdown()
+            held[0].shutdown()
         except RuntimeError as e:
             logger.warning("closing weight update group %r: %s", self.name, e)
-        if failed:
-            threading.Thread(target=held.clear, name=f"drop-{self.name}", daemon=True).start()
-        else:
-            held.clear()
+        held.clear()
 
     @property
     def closed(self) -> bool:
@@ -188,7 +194,7 @@ def _within(fn: Any, timeout_s: float) -> bool:
         try:
             fn()
         except RuntimeError as e:
-            logger.warning("shutting down a weight update group: %s", e)
+            logger.warning("closing a weight update group: %s", e)
         finally:
             done.set()
 
