@@ -103,7 +103,7 @@ def attention_blocks(device: torch.device, dtype: torch.dtype) -> tuple[int, int
     """(BLOCK_M, BLOCK_N): a function of the device and dtype only, never of the batch."""
     if device.type != "cuda":
         return 32, 32
-    return (32, 32) if dtype == torch.float32 else (32, 64)
+    return (32, 32) if dtype == torch.float32 else (16, 128)
 
 
 def deterministic_attention(
