@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from bench_lora import write_adapter  # noqa: E402
+from decode_launch import set_decode_launch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from rollout.config import CacheOptions, EngineOptions, KernelOptions  # noqa: E402
@@ -49,9 +50,12 @@ def main() -> None:
     parser.add_argument("--deterministic-inference", action="store_true", help="the batch-invariant kernels (issue 24)")
     parser.add_argument("--return-logprob", action="store_true", help="every request returns its tokens' logprobs")
     parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1: no filter)")
+    parser.add_argument("--decode-split-keys", type=int, help="keys per piece of the Triton decode kernel")
+    parser.add_argument("--decode-block-n", type=int, help="keys per loop step of the Triton decode kernel (bf16)")
     parser.add_argument("--lora-ranks", type=int, nargs="+", default=[],
                         help="one random adapter (all projections) per rank given; the requests take them in turn")  # fmt: skip
     args = parser.parse_args()
+    set_decode_launch(args.decode_split_keys, args.decode_block_n)  # before graphs are captured
     options = {
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks.decode_launch import set_decode_launch  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     WORKLOADS,
     fixed_workload,
@@ -156,13 +157,11 @@ def main() -> None:
         "--decode-split-keys", type=int,
         help="keys per piece of the Triton decode kernel's split-KV (to compare piece lengths)",
     )  # fmt: skip
+    parser.add_argument("--decode-block-n", type=int, help="keys per loop step of the Triton decode kernel (bf16)")
     parser.add_argument("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
     parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
     args = parser.parse_args()
-    if args.decode_split_keys is not None:
-        from rollout_kernels import decode_attention
-
-        decode_attention.MIN_KEYS_PER_SPLIT = args.decode_split_keys  # before graphs are captured
+    set_decode_launch(args.decode_split_keys, args.decode_block_n)
     dummy = not os.path.isdir(args.model)
     model = write_config_checkpoint(args.model, tempfile.mkdtemp()) if dummy else args.model
     options = EngineOptions.from_kwargs(
@@ -180,6 +179,7 @@ def main() -> None:
     steps = run(sched, *pick_workload(args, sched.runner.vocab_size), return_logprob=logprob)
     total = time.perf_counter() - start
     keys = "" if args.decode_split_keys is None else f", decode pieces of {args.decode_split_keys} keys"
+    keys += "" if args.decode_block_n is None else f", decode blocks of {args.decode_block_n} keys"
     print(f"{args.workload} on {args.model}: {total:.2f} s, {len(steps)} steps{keys}, decode on {sched.runner.kernel_plan.decode_attention}")
     decode = [size for mode, size, *_ in steps if mode == "decode"]
     if decode:

@@ -26,6 +26,7 @@ from rollout_kernels.precision import dot_precision
 # benchmarks/RESULTS.md, fourth session).
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 16
+BLOCK_N = 64  # keys per loop step in 16-bit (32 in float32) unless a launch names its own
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def decode_attention(
     # tl.dot needs every tile dim >= 16; padded heads and dims are masked out.
     block_d = max(16, triton.next_power_of_2(dim))
     if block_n is None:
-        block_n = 32 if q.dtype == torch.float32 else 64
+        block_n = 32 if q.dtype == torch.float32 else BLOCK_N
     _decode_split_kernel[(b, kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         parts, lse,
