@@ -34,11 +34,21 @@ def spawn_ranks(world: int, cases: dict, tmp_path) -> list[dict]:
         start_method="spawn",
     )
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.kill()
-            pytest.fail(f"{world} tensor-parallel ranks did not finish in {SPAWN_TIMEOUT_S} s")
+    files = [tmp_path / f"rank{rank}.json" for rank in range(world)]
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in ctx.processes:
+                    process.kill()
+                pytest.fail(f"{world} tensor-parallel ranks did not finish in {SPAWN_TIMEOUT_S} s")
+    except mp.ProcessExitedException:
+        # A rank that died in gloo's teardown, after every rank wrote its results, checked
+        # nothing wrongly; a rank that died before is a failure.
+        if not all(f.exists() for f in files):
+            raise
+        for process in ctx.processes:
+            process.kill()
+            process.join()
     results = []
     for rank in range(world):
         with open(tmp_path / f"rank{rank}.json") as f:

@@ -134,7 +134,11 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -
         results = {name: run_case(case, tp) for name, case in cases.items()}
         # No rank tears its connections down while another may still be reading from them.
         dist.barrier()
+        # Written before the teardown: gloo's teardown has aborted a rank (SIGABRT, "terminate
+        # called without an active exception") once after every result was in.
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(path + ".tmp", path)  # whole or absent
     finally:
         dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
