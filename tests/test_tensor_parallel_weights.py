@@ -161,6 +161,20 @@ def test_rank_0_leaves_a_group_while_the_other_ranks_do(two_ranks, monkeypatch):
     assert events == ["asked weights_leave", "rank 0 left g", "answered weights_leave"]
 
 
+def test_rank_0_leaves_a_group_even_when_the_other_ranks_cannot_be_asked(two_ranks, monkeypatch):
+    controller, _ = two_ranks
+    left = []
+
+    def unreachable(handler: str, *args: Any) -> Callable[[], Sequence[Answer]]:
+        raise WeightSyncError("tensor-parallel ranks did not answer: the line is down")
+
+    monkeypatch.setattr(controller.others.ranks, "start", unreachable)
+    monkeypatch.setattr(controller.groups, "leave", lambda name: left.append(name) or {})
+    with pytest.raises(WeightSyncError, match="did not answer"):
+        controller.destroy_weights_update_group(DestroyWeightsUpdateGroup("g"))
+    assert left == ["g"]
+
+
 def _snapshot(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

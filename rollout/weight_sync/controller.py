@@ -183,7 +183,11 @@ class WeightSyncController:
     def _leave_on_every_rank(self, name: str, others: OtherRankWeights) -> tuple[dict, list[str]]:
         """Rank 0 leaves `name` while the other ranks do (NCCL's shutdown waits for every rank
         of the group); rank 0's reply and the other ranks' failures."""
-        answers = others.start_leave(name)
+        try:
+            answers = others.start_leave(name)
+        except Exception:
+            self.groups.leave(name)  # the other ranks can't be asked: rank 0 still leaves
+            raise
         try:
             out = self.groups.leave(name)
         finally:
