@@ -24,9 +24,9 @@ run_queue() {  # run_queue N GPUS FILE
     local head="== [q$q gpu $gpus $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $cmd"
     echo "$head" >> "$OUT/q$q.log"
     CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "$t" bash -c "$cmd" < /dev/null > "$TMP/q$q.step" 2>&1
-    echo "rc=$?" >> "$TMP/q$q.step"
-    cat "$TMP/q$q.step" >> "$OUT/q$q.log"
-    { echo "$head"; grep -v "^\s*$" "$TMP/q$q.step" | tail -n "$n"; } > "$TMP/q$q.kept"
+    local rc=$?
+    { cat "$TMP/q$q.step"; echo "rc=$rc"; } >> "$OUT/q$q.log"
+    { echo "$head"; grep -v "^\s*$" "$TMP/q$q.step" | tail -n "$n"; echo "rc=$rc"; } > "$TMP/q$q.kept"
     flock "$OUT/log" cat "$TMP/q$q.kept" >> "$OUT/log"
   done < "$file"
 }
