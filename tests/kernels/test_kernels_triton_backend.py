@@ -34,8 +34,8 @@ def _shape(cfg, device: str) -> AttentionShape:
     return AttentionShape(
         num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
         scaling=head_dim**-0.5, dtype=torch.float32, device=torch.device(device),
-        # Graph-style decode splits by this length (16 pieces): most of them empty here.
-        max_batch_size=8, max_context_len=1024,
+        # Graph-style decode splits by this length (4 pieces): some of them empty here.
+        max_batch_size=8, max_context_len=256,
     )
 
 
