@@ -92,7 +92,7 @@ class SamplingBatch:
         """All lists are per request, in row order. Seeds are any Python ints (taken mod 2^64).
         `steps`: tokens each request has generated so far, when output_ids lag behind (they must
         not for a request with penalties); defaults to len(output_ids[i]). `per_filter_set`:
-        also note each row's filters (filter_sets), for sample's per_filter_set.
+        also note each row's filters (filter_sets): sample then draws per filter set.
         All goes to `device` in one non-blocking copy: building never waits for the device."""
         n, V = len(params), vocab_size
         steps = [len(ids) for ids in output_ids] if steps is None else steps
@@ -285,19 +285,18 @@ def apply_penalties_and_masks(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits
 
 
-def sample(
-    logits: Tensor, batch: SamplingBatch, use_kernel: bool = False, per_filter_set: bool = False
-) -> Tensor:
+def sample(logits: Tensor, batch: SamplingBatch, use_kernel: bool = False) -> Tensor:
     """logits: [B, V] float32 (penalized in place). Returns [B] int64 token ids: the argmax on
     greedy rows, else a draw from softmax(logits / T) restricted by top-k, top-p, min-p.
     use_kernel: filter and draw in one Triton kernel (rollout_kernels.sampling, same noise,
     one pass per filter over each row) instead of ~20 torch ops over [B, V] int64 temporaries.
-    per_filter_set: the kernel launched once for the rows of each filter set, so that every
-    row's draw is the same bits whatever else is in the batch (deterministic inference)."""
+    A batch built per_filter_set launches the kernel once for the rows of each filter set, so
+    that every row's draw is the same bits whatever else is in the batch (deterministic
+    inference)."""
     apply_penalties_and_masks(logits, batch)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
-    if per_filter_set:
+    if batch.filter_sets is not None:
         return _sample_per_filter_set(logits, batch)
     if use_kernel:
         from rollout_kernels.sampling import sample_tokens
@@ -318,12 +317,11 @@ def sample(
 
 
 def _sample_per_filter_set(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """sample's per_filter_set: a launch of the sampling kernel for each filter set among the
+    """A batch built per_filter_set: a launch of the sampling kernel for each filter set among the
     rows (one for the usual batch, whose rows share their parameters), with that set's passes
     only; greedy rows take the argmax, as alone."""
     from rollout_kernels.sampling import sample_tokens
 
-    assert batch.filter_sets is not None
     per_row = (
         batch.temperatures.reshape(-1), batch.greedy, batch.top_ks, batch.top_ps, batch.min_ps,
         batch.seeds, batch.steps,

@@ -57,7 +57,7 @@ class SamplingHead:
         if constrained:
             self._mask_grammars(logits, sreqs, constrained)
         kernel = self.kernel_plan.samples_with_kernel(len(rows), sampling.filtered)
-        tokens = sample(logits, sampling, kernel, self.kernel_plan.sampling_per_filter_set)
+        tokens = sample(logits, sampling, kernel)
         if table_rows is None:
             table_rows = to_device([r.row for r in sreqs], self.device)
         self.last_token[table_rows] = tokens

@@ -174,11 +174,11 @@ def test_per_filter_set_each_row_draws_what_it_draws_alone(device):
     logits = torch.randn(len(ROWS), VOCAB, generator=gen).mul(2).to(device)
     batch = _batch(ROWS, seeds, list(range(len(ROWS))), device, per_filter_set=True)
     assert len(set(batch.filter_sets.tolist())) > 4  # a mix of filter sets, and no filter
-    got = sample(logits.clone(), batch, per_filter_set=True)
+    got = sample(logits.clone(), batch)
     assert got.tolist() == sample(logits.clone(), batch).tolist()
     for i in range(len(ROWS)):
-        alone = sample(logits[i : i + 1].clone(), _batch([ROWS[i]], [seeds[i]], [i], device, True), per_filter_set=True)
+        alone = sample(logits[i : i + 1].clone(), _batch([ROWS[i]], [seeds[i]], [i], device, True))
         assert alone.tolist() == [got[i].item()], ROWS[i]
     order = list(reversed(range(len(ROWS))))
     flipped = _batch([ROWS[i] for i in order], [seeds[i] for i in order], order, device, True)
-    assert sample(logits[order].clone(), flipped, per_filter_set=True).tolist() == got[order].tolist()
+    assert sample(logits[order].clone(), flipped).tolist() == got[order].tolist()
