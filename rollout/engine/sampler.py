@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rollout.engine.filter_sets import row_filter_sets, sample_per_filter_set
 from rollout.engine.sampling_params import (
     MIN_PROBABILITY,
     MIN_REPETITION_PENALTY,
@@ -33,9 +34,6 @@ def _i64(x: int) -> int:
     x &= _MASK64
     return x - (1 << 64) if x >= 1 << 63 else x
 
-
-# The bits of SamplingBatch.filter_sets.
-FILTER_TOP_K, FILTER_TOP_P, FILTER_MIN_P = 1, 2, 4
 
 _GOLDEN = _i64(0x9E3779B97F4A7C15)
 _MIX1 = _i64(0xBF58476D1CE4E5B9)
@@ -67,8 +65,8 @@ class SamplingBatch:
     use_min_p: bool
     # logit_bias: [N] rows, [N] ids, [N] float32 values added to those logits; None if unused.
     bias: tuple[Tensor, Tensor, Tensor] | None = None
-    # [B] on the host: the filters each row uses, FILTER_TOP_K | FILTER_TOP_P | FILTER_MIN_P;
-    # built only when asked (build's per_filter_set).
+    # [B] on the host: the filters each row uses (filter_sets.py's FILTER_* bits); built only
+    # when asked (build's per_filter_set).
     filter_sets: np.ndarray | None = None
 
     @property
@@ -134,13 +132,7 @@ class SamplingBatch:
             host["banned"] = _pairs(ban, ban_ids)
         if any(p.logit_bias for p in params):
             host["bias_pairs"], host["bias_values"] = _bias_arrays(params, V)
-        filter_sets = None
-        if per_filter_set:
-            filter_sets = (
-                np.where(top_ks < V, FILTER_TOP_K, 0)
-                | np.where(floats[1, :n] < 1.0, FILTER_TOP_P, 0)
-                | np.where(floats[2, :n] > 0.0, FILTER_MIN_P, 0)
-            ).astype(np.uint8)
+        filter_sets = row_filter_sets(top_ks, floats[1, :n], floats[2, :n], V) if per_filter_set else None
         dev = _to_device({name: a for name, a in host.items() if a is not None}, device)
         ints, floats = dev["ints"][:, :n], dev["floats"][:, :n]  # [3, B], [6, B]
         return cls(
@@ -297,7 +289,7 @@ def sample(logits: Tensor, batch: SamplingBatch, use_kernel: bool = False) -> Te
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     if batch.filter_sets is not None:
-        return _sample_per_filter_set(logits, batch)
+        return sample_per_filter_set(logits, batch)
     if use_kernel:
         from rollout_kernels.sampling import sample_tokens
 
@@ -311,37 +303,6 @@ def sample(logits: Tensor, batch: SamplingBatch, use_kernel: bool = False) -> Te
     tokens = torch.cat(
         [_sample_rows(logits[i : i + step], batch, slice(i, i + step)) for i in range(0, B, step)]
     )
-    if batch.any_greedy:
-        tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
-    return tokens
-
-
-def _sample_per_filter_set(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """A batch built per_filter_set: a launch of the sampling kernel for each filter set among the
-    rows (one for the usual batch, whose rows share their parameters), with that set's passes
-    only; greedy rows take the argmax, as alone."""
-    from rollout_kernels.sampling import sample_tokens
-
-    per_row = (
-        batch.temperatures.reshape(-1), batch.greedy, batch.top_ks, batch.top_ps, batch.min_ps,
-        batch.seeds, batch.steps,
-    )  # fmt: skip
-
-    def draw(rows_logits: Tensor, per_row: tuple[Tensor, ...], filters: int) -> Tensor:
-        return sample_tokens(
-            rows_logits, *per_row, use_top_k=bool(filters & FILTER_TOP_K),
-            use_top_p=bool(filters & FILTER_TOP_P), use_min_p=bool(filters & FILTER_MIN_P),
-        )  # fmt: skip
-
-    sets = np.unique(batch.filter_sets)
-    if len(sets) == 1:
-        tokens = draw(logits, per_row, int(sets[0]))
-    else:
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        for filters in sets.tolist():
-            rows = np.flatnonzero(batch.filter_sets == filters)
-            index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
-            tokens[index] = draw(logits[index], tuple(t[index] for t in per_row), filters)
     if batch.any_greedy:
         tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
     return tokens
