@@ -157,7 +157,7 @@ def test_rank_0_leaves_a_group_while_the_other_ranks_do(two_ranks, monkeypatch):
     monkeypatch.setattr(ranks, "start", recording_start)
     monkeypatch.setattr(controller.groups, "leave", leave_here)
     with pytest.raises(WeightSyncError, match="rank 1 failed leaving: .*no weight update group 'g'"):
-        controller.destroy_weights_update_group(DestroyWeightsUpdateGroup("g"))
+        controller.group_calls.destroy(DestroyWeightsUpdateGroup("g"))
     assert events == ["asked weights_leave", "rank 0 left g", "answered weights_leave"]
 
 
@@ -171,7 +171,7 @@ def test_rank_0_leaves_a_group_even_when_the_other_ranks_cannot_be_asked(two_ran
     monkeypatch.setattr(controller.others.ranks, "start", unreachable)
     monkeypatch.setattr(controller.groups, "leave", lambda name: left.append(name) or {})
     with pytest.raises(WeightSyncError, match="did not answer"):
-        controller.destroy_weights_update_group(DestroyWeightsUpdateGroup("g"))
+        controller.group_calls.destroy(DestroyWeightsUpdateGroup("g"))
     assert left == ["g"]
 
 

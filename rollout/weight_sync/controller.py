@@ -49,6 +49,7 @@ from rollout.weight_sync.calls import (
 )
 from rollout.weight_sync.deferred import Deferred
 from rollout.weight_sync.engine_port import EnginePort
+from rollout.weight_sync.group_calls import GroupCalls
 from rollout.weight_sync.local_update import LocalUpdates, Update
 from rollout.weight_sync.memory import MemoryOccupation
 from rollout.weight_sync.rank_sync import OtherRanks, OtherRankWeights
@@ -74,14 +75,17 @@ class WeightSyncController:
         self.local = LocalUpdates(engine, self.groups, self._weights_released)
         self.adapters = AdapterUpdates(engine, lambda: self.local)
         self.others: OtherRankWeights | None = None  # the other tensor-parallel ranks
+        self.group_calls = GroupCalls(
+            self.groups, engine.device, options.weight_sync_timeout_s, lambda: self.others
+        )
         self.host_buffers = HostBuffers(list(self.model.parameters()))
         self.txn: WeightTransaction | None = None  # staged while paused
         self.txn_version: str | None = None
         self.paused_mode: str | None = None
         self.missing: set[str] = set()
         self._handlers: dict[type[ControlCall], Callable[[Any], Result | Deferred]] = {
-            InitWeightsUpdateGroup: self.init_weights_update_group,
-            DestroyWeightsUpdateGroup: self.destroy_weights_update_group,
+            InitWeightsUpdateGroup: self.group_calls.init,
+            DestroyWeightsUpdateGroup: self.group_calls.destroy,
             UpdateWeightsFromDistributed: self.update_weights_from_distributed,
             UpdateWeightsFromTensor: self.update_weights_from_tensor,
             UpdateWeightsFromDisk: self.update_weights_from_disk,
@@ -120,79 +124,6 @@ class WeightSyncController:
             **self.groups.info(),
             **self.memory.info(),
         }
-
-    # ---- update groups ----------------------------------------------------------------------
-    def init_weights_update_group(self, call: InitWeightsUpdateGroup) -> Deferred:
-        if call.backend == "nccl" and self.engine.device.type != "cuda":
-            raise InvalidRequest("the nccl backend needs the engine on a GPU; use backend='gloo'")
-        if self.others is not None:
-            return self._join_on_every_rank(call, self.others)
-        return self.groups.join(
-            call.master_address, call.master_port, call.rank_offset, call.world_size,
-            call.group_name, call.backend, call.timeout_s or self.opts.weight_sync_timeout_s,
-        )  # fmt: skip
-
-    def _join_on_every_rank(
-        self, call: InitWeightsUpdateGroup, others: OtherRankWeights
-    ) -> Deferred:
-        """Every rank joins, as member rank_offset + its rank; the reply waits for them all, and
-        if any failed, those that joined leave again."""
-        name, size = call.group_name, others.size
-        if call.rank_offset + size > call.world_size:
-            raise InvalidRequest(
-                f"world_size {call.world_size} has no room for this engine's {size} "
-                f"tensor-parallel ranks, which join as ranks rank_offset ({call.rank_offset}) to "
-                f"{call.rank_offset + size - 1}: world_size must count every engine rank"
-            )
-        self.groups.check_free(name)
-        others.join(call)
-        here = self.groups.join(
-            call.master_address, call.master_port, call.rank_offset, call.world_size, name,
-            call.backend, call.timeout_s or self.opts.weight_sync_timeout_s,
-        )  # fmt: skip
-
-        def finish() -> Result:
-            failures = others.joined(name)
-            try:
-                here.finish()
-            except Exception:
-                others.start_leave(name)()  # those that joined; the others have nothing to leave
-                raise
-            if failures:
-                self._leave_on_every_rank(name, others)
-                raise WeightSyncError("; ".join(failures))
-            last = call.rank_offset + size - 1
-            return {
-                "message": f"joined {name!r} as ranks {call.rank_offset}-{last} of {call.world_size}"
-            }
-
-        return Deferred(here.done, finish)
-
-    def destroy_weights_update_group(self, call: DestroyWeightsUpdateGroup) -> Result | Deferred:
-        retry = lambda: self.destroy_weights_update_group(call)  # noqa: E731
-        waiting = self.groups.after_join(call.group_name, retry)
-        if waiting is not None:
-            return waiting
-        if self.others is None:
-            return self.groups.leave(call.group_name)
-        out, failures = self._leave_on_every_rank(call.group_name, self.others)
-        if failures:
-            raise WeightSyncError("; ".join(failures))
-        return out
-
-    def _leave_on_every_rank(self, name: str, others: OtherRankWeights) -> tuple[dict, list[str]]:
-        """Rank 0 leaves `name` while the other ranks do (NCCL's shutdown waits for every rank
-        of the group); rank 0's reply and the other ranks' failures."""
-        try:
-            answers = others.start_leave(name)
-        except Exception:
-            self.groups.leave(name)  # the other ranks can't be asked: rank 0 still leaves
-            raise
-        try:
-            out = self.groups.leave(name)
-        finally:
-            failures = answers()
-        return out, failures
 
     # ---- the three sources ------------------------------------------------------------------
     def update_weights_from_distributed(
