@@ -17,9 +17,6 @@ mkdir -p "$OUT" "$FLASHINFER_WORKSPACE_BASE" "$TRITON_CACHE_DIR"
 if [ ! -f /tmp/jit-restored ]; then
   if [ -f .jit/flashinfer-jit.tgz ]; then
     tar -xzf .jit/flashinfer-jit.tgz -C "$FLASHINFER_WORKSPACE_BASE" && echo "restored FlashInfer JIT cache"
-    # Modules built from the package's own sources (the all-reduce fusion's trtllm_comm) would
-    # be rebuilt by ninja: the wheel just installed them, newer than the carried objects.
-    find "$FLASHINFER_WORKSPACE_BASE" -type f -exec touch -d "@$(( $(date +%s) + 1 ))" {} +
   fi
   if [ -f .jit/triton-cache.tgz ]; then
     tar -xzf .jit/triton-cache.tgz -C "$TRITON_CACHE_DIR" && echo "restored Triton cache"
