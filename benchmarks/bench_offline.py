@@ -198,6 +198,7 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add("--skinny-gemm-max-rows", type=int, default=kernels.skinny_gemm_max_rows)
     add("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
     add("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
+    add("--max-running-requests", type=int, help="default: the engine's (from its KV pool size)")
     add("--enable-flashinfer-allreduce-fusion", action="store_true")
     args = parser.parse_args()
     resolve_lengths(parser, args)
@@ -226,6 +227,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     }
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens
+    if args.max_running_requests:
+        options["max_running_requests"] = args.max_running_requests
     return options
 
 
@@ -331,6 +334,7 @@ def main() -> None:
         "dtype": info["dtype"],
         "kv_cache_dtype": info["kv_cache_dtype"],
         "max_total_tokens": info["max_total_tokens"],
+        "max_running_requests": info["max_running_requests"],
         "radix_cache": not args.disable_radix_cache,
         "attention_backend": info["attention_backend"],
         "tp_size": info["tp_size"],

@@ -17,6 +17,14 @@ mkdir -p "$OUT" "$FLASHINFER_WORKSPACE_BASE" "$TRITON_CACHE_DIR"
 if [ ! -f /tmp/jit-restored ]; then
   if [ -f .jit/flashinfer-jit.tgz ]; then
     tar -xzf .jit/flashinfer-jit.tgz -C "$FLASHINFER_WORKSPACE_BASE" && echo "restored FlashInfer JIT cache"
+    # A module built from the package's own sources (the all-reduce fusion's trtllm_comm) is
+    # rebuilt by ninja on a new machine whatever the carried objects' times; FlashInfer loads a
+    # library under its AOT directory as it is, so the carried libraries go there too.
+    for so in "$FLASHINFER_WORKSPACE_BASE"/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+      name=$(basename "$so" .so)
+      [ "$name" = "$(basename "$(dirname "$so")")" ] || continue
+      mkdir -p "/tmp/site/flashinfer/data/aot/$name" && cp "$so" "/tmp/site/flashinfer/data/aot/$name/"
+    done
   fi
   if [ -f .jit/triton-cache.tgz ]; then
     tar -xzf .jit/triton-cache.tgz -C "$TRITON_CACHE_DIR" && echo "restored Triton cache"

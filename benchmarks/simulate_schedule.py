@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=4096)
     parser.add_argument("--output-len", type=int, help="default: the workload's own (random: 2048)")
     parser.add_argument("--kv-tokens", type=int, required=True, help="KV pool size, as the engine reports it")
-    parser.add_argument("--max-running-requests", type=int, default=SchedulerOptions().max_running_requests)
+    parser.add_argument("--max-running-requests", type=int, help="default: the engine's for --kv-tokens")
     parser.add_argument(
         "--kv-element-bytes", type=int, default=BYTES,
         help="bytes per cached K/V element (2: bf16; 1: an 8-bit cache, with twice the --kv-tokens in the same memory)",
@@ -133,6 +133,8 @@ def main() -> None:
     parser.add_argument("--flops", type=float, default=7.5e14, help="prefill FLOP/s reached (bf16; an H100 reached ~7.5e14 on Llama-3.1-8B)")
     parser.add_argument("--disable-radix-cache", action="store_true")
     args = parser.parse_args()
+    running = SchedulerOptions(max_running_requests=args.max_running_requests)
+    args.max_running_requests = running.running_limit(args.kv_tokens)
 
     prompts, params = workload(args, REAL_CONFIGS[args.model]["vocab_size"])
     runner = RooflineRunner(args, REAL_CONFIGS[args.model])
@@ -157,7 +159,8 @@ def main() -> None:
         f"estimate: {total:.1f} s ({runner.seconds['prefill']:.1f} prefill, {runner.seconds['decode']:.1f} decode), "
         f"{tokens / total:.0f} output tok/s; {steps} steps, {len(batches)} decode, mean decode batch "
         f"{sum(batches) / max(len(batches), 1):.1f}; {sched.stats['retractions']} retractions; "
-        f"90% of {len(finished)} samples done at {p90:.1f} s, the last at {max(finished):.1f} s"
+        f"90% of {len(finished)} samples done at {p90:.1f} s, the last at {max(finished):.1f} s; "
+        f"max_running_requests {args.max_running_requests}"
     )
 
 

@@ -21,6 +21,11 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 # The most rows the skinny GEMM kernel takes: rollout_kernels.skinny_gemm.MAX_ROWS, restated here
 # because config does not import Triton (a test checks the two agree).
 SKINNY_GEMM_MAX_ROWS = 16
+# The default max_running_requests (SchedulerOptions.running_limit): one request per this many
+# tokens of the KV pool, within these bounds. Batches past cuda_graph_max_bs run eagerly.
+RUNNING_TOKENS_PER_REQUEST = 1024
+MIN_RUNNING_REQUESTS = 256
+MAX_RUNNING_REQUESTS = 2048
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,11 @@ class CacheOptions:
 @dataclass(frozen=True)
 class SchedulerOptions:
     chunked_prefill_size: int = _opt(8192, "max prompt tokens prefilled in one step")
-    max_running_requests: int = _opt(256, "max requests decoding at once")
+    max_running_requests: int | None = _opt(
+        None,
+        "max requests decoding at once; default: one per RUNNING_TOKENS_PER_REQUEST (1024) "
+        "tokens of the KV pool, at least 256 and at most 2048",
+    )
     max_prefill_tokens: int = _opt(16384, "token budget of one prefill step, prefixes excluded")
     disable_overlap_schedule: bool = _opt(
         False,
@@ -179,10 +188,19 @@ class SchedulerOptions:
             )
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
-        if self.max_running_requests < 1:
+        if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+
+    def running_limit(self, pool_tokens: int) -> int:
+        """max_running_requests, or by default the limit for a KV pool of `pool_tokens`: a
+        long-output workload decodes larger batches the more requests fit, so the default grows
+        with the pool; each allowed request keeps a req->token row of the context's length."""
+        if self.max_running_requests is not None:
+            return self.max_running_requests
+        by_pool = pool_tokens // RUNNING_TOKENS_PER_REQUEST
+        return max(MIN_RUNNING_REQUESTS, min(MAX_RUNNING_REQUESTS, by_pool))
 
 
 BACKUPS = ("cpu", "device", "auto")

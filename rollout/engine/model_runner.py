@@ -7,6 +7,8 @@ requests run (that is the scheduler's job).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -72,6 +74,12 @@ class ModelRunner:
         num_kv_heads, head_dim = self.model.num_local_kv_heads, self.model.head_dim
         num_layers = hf_config.num_hidden_layers
         self.num_slots = self._kv_slots(options, num_layers, num_kv_heads, head_dim)
+        # The options as this runner serves them: with max_running_requests resolved for the
+        # pool (the scheduler, the warm-up and the kernel plan read them from here).
+        limit = options.scheduler.running_limit(self.num_slots)
+        self.options = options = dataclasses.replace(
+            options, scheduler=dataclasses.replace(options.scheduler, max_running_requests=limit)
+        )
         with memory_regions.region("kv_cache", self.device):
             self.kv_pool = KVPool(
                 num_layers, self.num_slots, num_kv_heads, head_dim, self.kv_dtype, self.device

@@ -93,9 +93,9 @@ class SchedulerProcess:
         from rollout.weight_sync.controller import WeightSyncController
 
         mopts = options.model
-        self.options = options
         process_compiles.install()  # before the graphs' capture compiles
         self.runner, tokenizer, eos = build_runner(options, tp)
+        self.options = options = self.runner.options  # resolved for the KV pool
         hf_config = self.runner.hf_config
         self.scheduler = Scheduler(options, self.runner, StopChecker(tokenizer, eos))
         port = SchedulerPort(self.scheduler, self.runner)
@@ -111,6 +111,7 @@ class SchedulerProcess:
             "vocab_size": self.runner.vocab_size,
             "context_length": self.runner.context_length,
             "max_total_tokens": self.runner.num_slots,
+            "max_running_requests": options.scheduler.max_running_requests,
             "eos_token_ids": eos,
             "device": str(self.runner.device),
             "dtype": str(self.runner.dtype).removeprefix("torch."),

@@ -119,7 +119,7 @@ def resolve_kernel_plan(
         and not gloo_ranks
         and attention.supports_cuda_graph(extend, decode)
     )
-    max_bs = min(kopts.cuda_graph_max_bs, options.scheduler.max_running_requests)
+    max_bs = _graph_max_bs(options)
     return KernelPlan(
         attention_backend=extend,
         decode_backend=decode.backend,
@@ -134,6 +134,14 @@ def resolve_kernel_plan(
         logprob_kernel=fused and device.type == "cuda",
         allreduce_fusion=_allreduce_fusion(options, device, dtype),
     )
+
+
+def _graph_max_bs(options: EngineOptions) -> int:
+    """cuda_graph_max_bs, capped by max_running_requests once it is known (the runner resolves
+    an unset one for its KV pool before it plans)."""
+    running = options.scheduler.max_running_requests
+    graphs = options.kernels.cuda_graph_max_bs
+    return graphs if running is None else min(graphs, running)
 
 
 def _allreduce_fusion(options: EngineOptions, device: torch.device, dtype: torch.dtype) -> bool:
@@ -176,7 +184,7 @@ def _deterministic_plan(options: EngineOptions, device: torch.device) -> KernelP
             f"enable_deterministic_inference needs tp_size 1, got {options.parallel.tp_size}"
         )
     graphs = device.type == "cuda" and not kopts.disable_cuda_graph
-    max_bs = min(kopts.cuda_graph_max_bs, options.scheduler.max_running_requests)
+    max_bs = _graph_max_bs(options)
     return KernelPlan(
         attention_backend="deterministic",
         decode_backend="deterministic",
