@@ -122,6 +122,7 @@ class ModelRunner:
             device=self.device,
             max_batch_size=self.req_to_token.max_reqs,
             max_context_len=self.context_length,
+            max_graph_batch_size=plan.cuda_graph_max_bs,  # 0 without graphs
         )
         self.attn_backend = create_attention_backend(
             plan.attention_backend, shape, plan.decode_attention

@@ -31,6 +31,14 @@ class AttentionShape:
     max_batch_size: int  # most requests in one forward
     max_context_len: int  # most tokens in one request's KV
     kv_dtype: torch.dtype | None = None  # the KV cache's element type; None: dtype
+    # Most requests in one CUDA graph replay (None: max_batch_size); larger batches run eagerly.
+    max_graph_batch_size: int | None = None
+
+    @property
+    def graph_batch_size(self) -> int:
+        if self.max_graph_batch_size is None:
+            return self.max_batch_size
+        return min(self.max_graph_batch_size, self.max_batch_size)
 
     @property
     def cache_dtype(self) -> torch.dtype:

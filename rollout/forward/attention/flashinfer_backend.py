@@ -167,12 +167,13 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _graph_wrapper(self, batch_size: int):
         """The decode wrapper whose plan lives at fixed addresses, one per captured batch size;
         all share one set of buffers (only one is planned and replayed at a time)."""
-        if batch_size > self.shape.max_batch_size:
+        if batch_size > self.shape.graph_batch_size:
             raise ValueError(
-                f"graph batch size {batch_size} exceeds max_batch_size {self.shape.max_batch_size}"
+                f"graph batch size {batch_size} exceeds the largest graph batch "
+                f"{self.shape.graph_batch_size}"
             )
         if self._graph_buffers is None:
-            dev, n = self.shape.device, self.shape.max_batch_size
+            dev, n = self.shape.device, self.shape.graph_batch_size
             self._graph_buffers = (
                 torch.zeros(n + 1, dtype=torch.int32, device=dev),  # indptr
                 # Every request may read a whole context (prefix slots are shared between them).
