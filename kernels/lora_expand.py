@@ -43,8 +43,10 @@ class OutputParts:
 class ExpandSettings:
     """How lora_expand launches for some number of rows."""
 
-    block_n: int  # output columns per program
+    block_n: int  # output columns per tile
     num_warps: int
+    n_tiles: int = 1  # column tiles one program walks (its y read once for all of them)
+    num_stages: int | None = None  # software pipelining of the tile loop (None: Triton's)
 
 
 def expand_settings(rows: int) -> ExpandSettings:
@@ -69,40 +71,60 @@ def _lora_expand_kernel(
     stride_ys, stride_ym, stride_bs, stride_bn, stride_om, stride_ss,
     NUM_SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    N_TILES: tl.constexpr, ONE_R_BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid_m, part, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, tokens, rmask = segment_rows(
         block_end_ptr, seg_start_ptr, seg_len_ptr, order_ptr, pid_m, NUM_SLOTS, SLOTS_PAD, BLOCK_M
     )
-    n0 = tl.load(offsets_ptr + part) + pid_n * BLOCK_N
+    first = tl.load(offsets_ptr + part) + pid_n * (N_TILES * BLOCK_N)
     n1 = tl.load(offsets_ptr + part + 1)
-    if (slot >= NUM_SLOTS) | (n0 >= n1):
+    if (slot >= NUM_SLOTS) | (first >= n1):
         return
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < n1
     rank = tl.load(ranks_ptr + slot)
+    scale = tl.load(scales_ptr + slot * stride_ss + part)
     rs = tl.arange(0, BLOCK_R)
     y_rows = y_ptr + tokens[:, None].to(tl.int64) * stride_ym + part * R
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        in_rank = r0 + rs < rank
+    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
+    if ONE_R_BLOCK:
+        # Every rank fits one block: y (its partials summed) is read once for all the tiles.
+        in_rank = rs < rank
         y = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
         for split in range(SPLIT_K):
             y += tl.load(
-                y_rows + split * stride_ys + (r0 + rs)[None, :],
+                y_rows + split * stride_ys + rs[None, :],
                 mask=rmask[:, None] & in_rank[None, :],
                 other=0.0,
             )
-        b_t = tl.load(
-            b_base + (r0 + rs)[:, None], mask=in_rank[:, None] & cmask[None, :], other=0.0
-        )  # [BLOCK_R, BLOCK_N]: B's rows as columns
-        acc += tl.dot(y.to(b_t.dtype), b_t, input_precision=DOT_PRECISION)
-    scale = tl.load(scales_ptr + slot * stride_ss + part)
-    ptrs = out_ptr + tokens[:, None].to(tl.int64) * stride_om + cols[None, :]
-    mask = rmask[:, None] & cmask[None, :]
-    base = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, (base + acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
+        y = y.to(b_ptr.dtype.element_ty)
+    for tile in range(N_TILES):
+        cols = first + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < n1
+        b_base = b_slot + cols[None, :].to(tl.int64) * stride_bn
+        if ONE_R_BLOCK:
+            b_t = tl.load(
+                b_base + rs[:, None], mask=in_rank[:, None] & cmask[None, :], other=0.0
+            )  # [BLOCK_R, BLOCK_N]: B's rows as columns
+            acc = tl.dot(y, b_t, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                in_chunk = r0 + rs < rank
+                yc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+                for split in range(SPLIT_K):
+                    yc += tl.load(
+                        y_rows + split * stride_ys + (r0 + rs)[None, :],
+                        mask=rmask[:, None] & in_chunk[None, :],
+                        other=0.0,
+                    )
+                b_t = tl.load(
+                    b_base + (r0 + rs)[:, None], mask=in_chunk[:, None] & cmask[None, :], other=0.0
+                )
+                acc += tl.dot(yc.to(b_t.dtype), b_t, input_precision=DOT_PRECISION)
+        ptrs = out_ptr + tokens[:, None].to(tl.int64) * stride_om + cols[None, :]
+        mask = rmask[:, None] & cmask[None, :]
+        base = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, (base + acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def lora_expand(
@@ -115,11 +137,14 @@ def lora_expand(
     parts: OutputParts,
     block_n: int | None = None,
     num_warps: int | None = None,
+    n_tiles: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """y: [split_k, T, P x R] float32 (lora_shrink's result); b: [S, N, R] with its last dim
     contiguous; out: [T, N] in b's dtype, last dim contiguous, added to in place and returned;
     ranks: [S] int32; scales: [S, P] float32; parts: the P column ranges of out (summing to N).
-    Rows of base-only tokens are left as they are. Settings left None are expand_settings(T)'s."""
+    Rows of base-only tokens are left as they are. Settings left None are expand_settings(T)'s
+    (num_stages: Triton's default when both are None)."""
     s, n, r = b.shape
     split_k, t = y.shape[:2]
     p = len(parts.sizes)
@@ -148,15 +173,21 @@ def lora_expand(
     settings = expand_settings(t)
     block_n = settings.block_n if block_n is None else block_n
     num_warps = settings.num_warps if num_warps is None else num_warps
+    n_tiles = settings.n_tiles if n_tiles is None else n_tiles
+    num_stages = settings.num_stages if num_stages is None else num_stages
+    if n_tiles < 1:
+        raise ValueError(f"lora_expand needs n_tiles >= 1, got {n_tiles}")
     block_r = min(64, max(16, triton.next_power_of_2(r)))
-    grid = (segments.grid_blocks(), p, triton.cdiv(max(parts.sizes), block_n))
+    grid = (segments.grid_blocks(), p, triton.cdiv(max(parts.sizes), block_n * n_tiles))
+    launch = {} if num_stages is None else {"num_stages": num_stages}
     _lora_expand_kernel[grid](
         y, b, out, ranks, scales, parts.offsets,
         segments.order, segments.seg_start, segments.seg_len, segments.block_end,
         r, split_k,
         y.stride(0), y.stride(1), b.stride(0), b.stride(1), out.stride(0), scales.stride(0),
         NUM_SLOTS=s, SLOTS_PAD=triton.next_power_of_2(s), DOT_PRECISION=dot_precision(b.dtype),
-        BLOCK_M=segments.block_m, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=num_warps,
+        BLOCK_M=segments.block_m, BLOCK_N=block_n, BLOCK_R=block_r, N_TILES=n_tiles,
+        ONE_R_BLOCK=r <= block_r, num_warps=num_warps, **launch,
     )  # fmt: skip
     return out
 

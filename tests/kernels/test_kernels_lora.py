@@ -117,6 +117,56 @@ def test_expand_matches_torch_for_one_projection_or_a_group(device, dtype, sizes
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tiles, num_stages", [(2, None), (3, 2)])
+def test_expand_walking_several_column_tiles_per_program_matches_torch(
+    device, dtype, n_tiles, num_stages
+):
+    # Parts of 40 and 24 columns in tiles of 16: a program's last tiles fall past its part.
+    rows, sizes = 21, (40, 24)
+    p, n = len(sizes), sum(sizes)
+    slots = mixed_slots(rows, seed=11).to(device)
+    ranks = torch.tensor(RANKS, dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(12)
+    _, b = random_weights(p, n, dtype, device, seed=3)
+    y = torch.randn(3, rows, p * R, generator=gen).to(device)
+    scales = torch.rand(len(RANKS), p, generator=gen).to(device)
+    out = torch.randn(rows, n, generator=gen).to(device, dtype)
+    want = lora_expand_reference(y.sum(0), b, out, slots, scales, sizes, ranks)
+    got = lora_expand(
+        y, b, out.clone(), lora_segments(slots, 4), ranks, scales, OutputParts.make(sizes, device),
+        block_n=16, n_tiles=n_tiles, num_stages=num_stages,
+    )  # fmt: skip
+    torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
+    base = (slots < 0) | (slots >= 4)
+    assert torch.equal(got[base], out[base])
+    with pytest.raises(ValueError, match="n_tiles >= 1, got 0"):
+        lora_expand(
+            y, b, out.clone(), lora_segments(slots, 4), ranks, scales,
+            OutputParts.make(sizes, device), n_tiles=0,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("n_tiles", [1, 2])
+def test_expand_with_ranks_past_one_rank_block_matches_torch(device, n_tiles):
+    # A max rank of 80 reads y and B in rank blocks of 64: the adapter of rank 72 needs two.
+    rows, sizes, max_rank = 19, (24, 24), 80
+    p, n = len(sizes), sum(sizes)
+    slots = mixed_slots(rows, seed=13).to(device)
+    ranks = torch.tensor([72, 16, 64, 0], dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(14)
+    b = (torch.randn(4, n, max_rank, generator=gen) / max_rank**0.5).to(device)
+    y = torch.randn(2, rows, p * max_rank, generator=gen).to(device)
+    scales = torch.rand(4, p, generator=gen).to(device)
+    out = torch.randn(rows, n, generator=gen).to(device)
+    want = lora_expand_reference(y.sum(0), b, out, slots, scales, sizes, ranks)
+    got = lora_expand(
+        y, b, out.clone(), lora_segments(slots, 4), ranks, scales, OutputParts.make(sizes, device),
+        block_n=16, n_tiles=n_tiles,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, DECODE_ROWS, DECODE_ROWS + 1, 64, 300])
 def test_the_engines_settings_for_each_batch_size_match_torch(device, dtype, rows):
     # The kernels' defaults: the launch the engine makes for this many rows, either side of
