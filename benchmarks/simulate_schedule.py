@@ -6,7 +6,8 @@
 
 Runs the real Scheduler (admission, chunked prefill, retraction, prefix cache) over a runner
 that computes nothing and returns token 7 at once, and charges each step what a roofline says
-it costs on the device: a decode step reads the weights and every running request's KV at
+it costs on the device: a decode step reads the weights (or does 2 x params FLOPs a row at
+--flops, if that is slower: a batch of several hundred rows) and every running request's KV at
 --bandwidth; a prefill step does 2 x params FLOPs per token plus its attention at --flops (or
 reads the weights, if that is slower). Prints the estimated seconds and output tokens/s, the
 steps of each kind, the mean decode batch and the retractions. Every number is a model of the
@@ -83,7 +84,10 @@ class RooflineRunner:
         weights = self.params * BYTES / self.bandwidth
         if batch.mode is ForwardMode.DECODE:
             context = sum(start + 1 for start in batch.starts)
-            self.seconds["decode"] += weights + context * self.kv_bytes / self.bandwidth
+            # The projections read the weights once, or past a few hundred rows are bound by
+            # their FLOPs; attention reads every running request's KV.
+            gemms = max(weights, 2 * self.params * len(batch.reqs) / self.flops)
+            self.seconds["decode"] += gemms + context * self.kv_bytes / self.bandwidth
             self.decode_batches.append(len(batch.reqs))
         else:
             tokens = sum(batch.extend_lens)
