@@ -15,12 +15,13 @@ base output's partials (x @ A^T is linear in the input slices).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from rollout.forward.tensor_parallel import Shard
-from rollout.models.layers import kernel
+from rollout.models.layers import SKINNY_GEMM_TILES, kernel
 
 
 class LoraBatch:
@@ -183,14 +184,41 @@ class LoraLayer:
         batch = self.batch
         if not batch.active:
             return out
-        if x.shape[0] != batch.slots.shape[0]:
-            raise ValueError(
-                f"LoRA batch prepared for {batch.slots.shape[0]} rows, the layer got "
-                f"{x.shape[0]}: call prepare() with this forward's token slots first"
-            )
+        self._check_rows(x)
         if batch.use_kernels:
             return self._apply_kernels(x, out)
         return self._apply_torch(x, out)
+
+    def fused_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int
+    ) -> torch.Tensor | None:
+        """x @ weight^T (+ bias) with every row's adapter delta added by the same launch (the
+        skinny GEMM's LoRA epilogue, after the shrink): for a batch of at most `max_rows` rows
+        on the kernels, when some row uses an adapter and the layer's parts fit the GEMM's
+        tiles. None where it does not apply: the caller runs its GEMM and then `apply`."""
+        batch = self.batch
+        if not (batch.active and batch.use_kernels and 0 < x.shape[0] <= max_rows):
+            return None
+        skinny = kernel("skinny_gemm")
+        sizes = tuple(size for _, size in self.part_rows)
+        s, p, r, k = self.a.shape
+        epilogue = skinny.LoraEpilogue(
+            None, self.b, batch.slots, batch.ranks, self.scales, self.part_offsets, sizes
+        )
+        if not epilogue.fits(SKINNY_GEMM_TILES["block_n"]):
+            return None
+        self._check_rows(x)
+        y = kernel("lora_shrink").lora_shrink(x, self.a.view(s, p * r, k), batch.segments, batch.ranks, r)
+        epilogue = dataclasses.replace(epilogue, lora_y=y)
+        return skinny.skinny_gemm(x, weight, bias, **SKINNY_GEMM_TILES, lora=epilogue)
+
+    def _check_rows(self, x: torch.Tensor) -> None:
+        prepared = self.batch.slots.shape[0]
+        if x.shape[0] != prepared:
+            raise ValueError(
+                f"LoRA batch prepared for {prepared} rows, the layer got {x.shape[0]}: call "
+                f"prepare() with this forward's token slots first"
+            )
 
     def _apply_torch(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # Each live slot over all rows, masked: no host sync and no data-dependent shapes,
