@@ -1,0 +1,65 @@
+"""Compiles kernels of rollout_kernels for an H100 (sm_90) without a GPU, as Triton does before
+a launch: what the interpreter cannot check (the compiler's own rules, the launch settings'
+shared memory). Run by test_kernels_compile.py in a process without TRITON_INTERPRET; prints
+one line per variant compiled and exits non-zero at the first that does not."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from rollout_kernels import lora_expand, skinny_gemm  # noqa: E402
+
+H100 = GPUTarget("cuda", 90, 32)
+
+
+def compile_variant(
+    kernel, constexprs: dict, options: dict, int32: set[str], float32: set[str]
+) -> None:
+    """Pointer arguments are bf16 unless named in `int32` or `float32`; the rest are i32."""
+
+    def arg_type(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if not name.endswith("_ptr"):
+            return "i32"
+        return "*i32" if name in int32 else "*fp32" if name in float32 else "*bf16"
+
+    signature = {name: arg_type(name) for name in kernel.arg_names}
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=H100,
+        options=options,
+    )  # fmt: skip
+    print(kernel.__name__, constexprs, options, len(compiled.asm["cubin"]), "bytes", flush=True)
+
+
+def main() -> None:
+    for has_lora in (False, True):
+        compile_variant(
+            skinny_gemm._skinny_gemm_kernel,
+            {"HAS_BIAS": True, "DOT_PRECISION": "tf32", "BLOCK_M": skinny_gemm.MAX_ROWS,
+             "BLOCK_N": 32, "BLOCK_K": 512, "HAS_LORA": has_lora, "NUM_SLOTS": 9,
+             "NUM_PARTS": 3, "BLOCK_R": 64},
+            {"num_warps": 4, "num_stages": 5},
+            int32={"lslot_ptr", "lrank_ptr", "loff_ptr"}, float32={"ly_ptr", "lscale_ptr"},
+        )  # fmt: skip
+    for one_block, n_tiles, stages in ((True, 1, 3), (True, 8, 2), (False, 2, 3)):
+        compile_variant(
+            lora_expand._lora_expand_kernel,
+            {"NUM_SLOTS": 9, "SLOTS_PAD": 16, "DOT_PRECISION": "tf32", "BLOCK_M": 16,
+             "BLOCK_N": 256, "BLOCK_R": 64, "N_TILES": n_tiles, "ONE_R_BLOCK": one_block},
+            {"num_warps": 8, "num_stages": stages},
+            int32={"ranks_ptr", "offsets_ptr", "order_ptr", "seg_start_ptr", "seg_len_ptr",
+                   "block_end_ptr"},
+            float32={"y_ptr", "scales_ptr"},
+        )  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
