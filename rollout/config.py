@@ -161,8 +161,8 @@ class SchedulerOptions:
     chunked_prefill_size: int = _opt(8192, "max prompt tokens prefilled in one step")
     max_running_requests: int | None = _opt(
         None,
-        "max requests decoding at once; default: one per RUNNING_TOKENS_PER_REQUEST (1024) "
-        "tokens of the KV pool, at least 256 and at most 2048",
+        "max requests decoding at once; default: one per 1024 tokens of the KV pool, at least "
+        "256 and at most 2048 (get_server_info reports the value in force)",
     )
     max_prefill_tokens: int = _opt(16384, "token budget of one prefill step, prefixes excluded")
     disable_overlap_schedule: bool = _opt(
