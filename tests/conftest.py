@@ -1,10 +1,21 @@
-"""Shared fixtures: tiny random checkpoints made on the fly (no model hub here)."""
+"""Shared fixtures: tiny random checkpoints made on the fly (no model hub here).
+
+Without CUDA, Triton's kernels run under its interpreter (TRITON_INTERPRET), which Triton reads
+when a kernel module is first imported: set here, before any test module imports
+`rollout_kernels`, so that no test's outcome depends on which test file a worker ran first.
+"""
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from rollout.tiny_model import make_tiny_model
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from rollout.tiny_model import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +36,6 @@ def tiny_qwen3(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3_perturbed(tiny_qwen3, tmp_path_factory) -> str:
     """tiny_qwen3 with every weight moved by seeded noise: what a training step would push."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)

@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Triton reads this when a kernel module is first imported: before any test runs.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from rollout.config import EngineOptions  # noqa: E402
-from rollout.engine.messages import TokenizedRequest  # noqa: E402
-from rollout.engine.sampling_params import SamplingParams  # noqa: E402
-from rollout.engine.scheduler_process import SchedulerProcess  # noqa: E402
-from rollout.forward.kernel_plan import resolve_kernel_plan  # noqa: E402
+from rollout.config import EngineOptions
+from rollout.engine.messages import TokenizedRequest
+from rollout.engine.sampling_params import SamplingParams
+from rollout.engine.scheduler_process import SchedulerProcess
+from rollout.forward.kernel_plan import resolve_kernel_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -12,14 +12,9 @@ import sys
 
 import pytest
 import torch
+from test_deterministic_inference import DEVICE, _ids, _req, _run
 
-if not torch.cuda.is_available():
-    # Triton reads this when a kernel module is first imported: before any test runs.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from test_deterministic_inference import DEVICE, _ids, _req, _run  # noqa: E402
-
-from rollout.parity import ParityModel  # noqa: E402
+from rollout.parity import ParityModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,23 +8,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
+import httpx
+import pytest
 import torch
+from server_helpers import start_server, stop_server
 
-if not torch.cuda.is_available():
-    # The kernel runs under Triton's interpreter on CPU tensors. Triton reads this when
-    # triton.language is first imported (by anything: loading a model may), so it is set when
-    # this module is collected, before any test runs, as tests/kernels/conftest.py does.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import httpx  # noqa: E402
-import pytest  # noqa: E402
-from server_helpers import start_server, stop_server  # noqa: E402
-
-from rollout.engine.sampler import SamplingBatch, sample  # noqa: E402
-from rollout.engine.sampling_params import FLOAT32_MAX  # noqa: E402
-from rollout.engine.sampling_params import SamplingParams as SP  # noqa: E402
+from rollout.engine.sampler import SamplingBatch, sample
+from rollout.engine.sampling_params import FLOAT32_MAX
+from rollout.engine.sampling_params import SamplingParams as SP
 
 VOCAB = 300
 ROWS = 4
