@@ -272,7 +272,22 @@ def timed_run(engine: RolloutEngine, prompts: list[list[int]], params: list[dict
         for name, n in info.get("kernel_compiles_by_kernel", {}).items()
     }
     compiled = {name: n for name, n in compiled.items() if n}
-    return outs, seconds, info["device_busy_s"] - busy, {**info, "polls": polls[0], "compiled": compiled}
+    steps = step_times(before.get("device_busy_by_step", {}), info.get("device_busy_by_step", {}))
+    extra = {"polls": polls[0], "compiled": compiled, "steps": steps}
+    return outs, seconds, info["device_busy_s"] - busy, {**info, **extra}
+
+
+def step_times(before: dict, after: dict) -> dict:
+    """The timed run's steps by kind (extend, decode by batch-size bucket): how many, and the
+    device's milliseconds a step, from get_server_info's device_busy_by_step before and after."""
+    out = {}
+    for kind, now in after.items():
+        was = before.get(kind, {"steps": 0, "seconds": 0.0})
+        steps = now["steps"] - was["steps"]
+        if steps:
+            ms = 1000 * (now["seconds"] - was["seconds"]) / steps
+            out[kind] = {"steps": steps, "device_ms": round(ms, 3)}
+    return out
 
 
 def timing(outs: list[dict], seconds: float, busy: float) -> dict:
@@ -349,6 +364,8 @@ def main() -> None:
         # Triton kernel variants built inside the timed run (the scheduler process's), by kernel.
         "compiled_in_run": info["compiled"],
         "warmup_s": info.get("warmup_s"),  # the engine's, before it reported ready (GPU)
+        # Rank 0's device time a step in the timed run, by step kind and decode batch size.
+        "steps": info["steps"],
     }
     if args.compare == "hf":
         from benchmarks.hf_baseline import hf_throughput

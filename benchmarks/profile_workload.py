@@ -34,12 +34,12 @@ from benchmarks.workloads import (  # noqa: E402
 )
 from rollout.config import CacheOptions, EngineOptions, KernelOptions  # noqa: E402
 from rollout.engine import launched_step  # noqa: E402
+from rollout.engine.busy_timer import step_kind  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
 from rollout.engine.sampling_params import SamplingParams  # noqa: E402
 from rollout.engine.scheduler_process import SchedulerProcess  # noqa: E402
 from rollout.real_configs import write_config_checkpoint  # noqa: E402
 
-BUCKETS = (1, 8, 32, 64, 128, 192, 256, 512)
 _waited = [0.0]
 
 
@@ -117,15 +117,6 @@ def run(sched, prompts, params, return_logprob=False) -> list[tuple[str, int, fl
     return steps
 
 
-def bucket(n: int) -> str:
-    lo = 0
-    for hi in BUCKETS:
-        if n <= hi:
-            return f"{lo + 1}-{hi}"
-        lo = hi
-    return f">{BUCKETS[-1]}"
-
-
 def pick_workload(args: argparse.Namespace, vocab: int):
     """The prompts and sampling params of --workload at its default sizes."""
     if args.workload == "nano":
@@ -191,7 +182,7 @@ def main() -> None:
     # this one's start.
     rows: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     for mode, size, *values in steps:
-        key = f"decode {bucket(size)}" if mode == "decode" else mode
+        key = step_kind(True, size) if mode == "decode" else mode
         rows[key][0] += 1
         for i, value in enumerate(values, 1):
             rows[key][i] += value

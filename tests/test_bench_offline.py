@@ -61,6 +61,14 @@ def test_each_workload_runs_on_the_tiny_model_and_reports_its_throughput(
     assert result["workload"] == workload and result["device"] == "cpu"
     assert result["output_tokens"] == output_tokens  # ignore_eos: every request ran to its end
     assert result["output_tok_per_s"] > 0 and result["seconds"] > 0
+    # The timed run's steps by kind: its prefill, and its decode steps by batch size (every
+    # request's output but its first token, sampled by the prefill, came from a decode step).
+    steps = result["steps"]
+    assert steps["extend"]["steps"] >= 1
+    decode = [v["steps"] for k, v in steps.items() if k.startswith("decode ")]
+    assert set(steps) - {"extend"} == {k for k in steps if k.startswith("decode ")}
+    assert sum(decode) >= output_tokens // result["num_seqs"] - 1
+    assert all(v["device_ms"] > 0 for v in steps.values())
 
 
 def test_prompt_ids_are_folded_into_the_vocabulary_and_unchanged_where_it_is_large(bench):

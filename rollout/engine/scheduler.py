@@ -85,6 +85,11 @@ class Scheduler:
             "device_busy_s": self.pipeline.busy.seconds,
         }
 
+    @property
+    def device_busy_by_step(self) -> dict[str, dict[str, float]]:
+        """device_busy_s by step kind (extend, decode by batch-size bucket), with step counts."""
+        return self.pipeline.busy.by_kind
+
     # ---- inputs ---------------------------------------------------------------------------
     def add_request(self, treq: TokenizedRequest) -> None:
         try:
@@ -330,6 +335,7 @@ class Scheduler:
             "time": time.time(),
             **self.kv.usage(),
             **self.stats,
+            "device_busy_by_step": self.device_busy_by_step,
         }
 
 

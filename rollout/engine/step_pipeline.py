@@ -17,12 +17,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from rollout.engine.busy_timer import BusyTimer
+from rollout.engine.busy_timer import BusyTimer, step_kind
 from rollout.engine.kv_manager import KVManager
 from rollout.engine.launched_step import LaunchedStep, ReqStepOutput
 from rollout.engine.messages import failure_reason
 from rollout.engine.model_runner import ModelRunner
 from rollout.engine.req import Req, ScheduleBatch
+from rollout.forward.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class StepPipeline:
         failed = None
         if batch is not None:
             try:
-                launched = self.busy.time(lambda: self.runner.launch(batch))
+                kind = step_kind(batch.mode is ForwardMode.DECODE, len(batch.reqs))
+                launched = self.busy.time(lambda: self.runner.launch(batch), kind)
             except Exception as e:  # noqa: BLE001 - this batch's requests fail, not the engine
                 failed = e
             else:
