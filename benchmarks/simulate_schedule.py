@@ -23,6 +23,7 @@ printed too: with a long tail of lengths (rl), the last steps run few requests.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -43,6 +44,7 @@ from benchmarks.workloads import (  # noqa: E402
     rl_workload,
 )
 from rollout.config import EngineOptions, SchedulerOptions  # noqa: E402
+from rollout.engine.busy_timer import step_kind  # noqa: E402
 from rollout.engine.launched_step import LaunchedStep, ReqStepOutput  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
 from rollout.engine.sampling_params import SamplingParams  # noqa: E402
@@ -79,21 +81,28 @@ class RooflineRunner:
         self.bandwidth, self.flops = args.bandwidth, args.flops
         self.seconds = {"prefill": 0.0, "decode": 0.0}
         self.decode_batches: list[int] = []
+        self.by_kind: dict[str, list] = {}  # step kind (busy_timer.step_kind) -> [steps, seconds]
 
     def launch(self, batch) -> LaunchedStep:
         weights = self.params * BYTES / self.bandwidth
-        if batch.mode is ForwardMode.DECODE:
+        decode = batch.mode is ForwardMode.DECODE
+        if decode:
             context = sum(start + 1 for start in batch.starts)
             # The projections read the weights once, or past a few hundred rows are bound by
             # their FLOPs; attention reads every running request's KV.
             gemms = max(weights, 2 * self.params * len(batch.reqs) / self.flops)
-            self.seconds["decode"] += gemms + context * self.kv_bytes / self.bandwidth
+            cost = gemms + context * self.kv_bytes / self.bandwidth
+            self.seconds["decode"] += cost
             self.decode_batches.append(len(batch.reqs))
         else:
             tokens = sum(batch.extend_lens)
             # q.k and p.v over the prefix and the causal half of the new tokens.
             attn = sum(4 * self.attn_width * e * (s + e / 2) for s, e in zip(batch.starts, batch.extend_lens))
-            self.seconds["prefill"] += max(weights, (2 * self.params * tokens + attn) / self.flops)
+            cost = max(weights, (2 * self.params * tokens + attn) / self.flops)
+            self.seconds["prefill"] += cost
+        entry = self.by_kind.setdefault(step_kind(decode, len(batch.reqs)), [0, 0.0])
+        entry[0] += 1
+        entry[1] += cost
         outs = [ReqStepOutput(next_token=7 if batch.samples(i) else None) for i in range(len(batch.reqs))]
         return LaunchedStep(batch, [], outs)
 
@@ -136,6 +145,7 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s (H100: 3.0e12 measured copy)")
     parser.add_argument("--flops", type=float, default=7.5e14, help="prefill FLOP/s reached (bf16; an H100 reached ~7.5e14 on Llama-3.1-8B)")
     parser.add_argument("--disable-radix-cache", action="store_true")
+    parser.add_argument("--by-step", action="store_true", help="also print the estimate by step kind (a JSON line)")
     args = parser.parse_args()
     running = SchedulerOptions(max_running_requests=args.max_running_requests)
     args.max_running_requests = running.running_limit(args.kv_tokens)
@@ -166,6 +176,9 @@ def main() -> None:
         f"90% of {len(finished)} samples done at {p90:.1f} s, the last at {max(finished):.1f} s; "
         f"max_running_requests {args.max_running_requests}"
     )
+    if args.by_step:  # as bench_offline's "steps": the estimate's device ms a step by kind
+        steps = {k: {"steps": n, "device_ms": round(1000 * t / n, 3)} for k, (n, t) in sorted(runner.by_kind.items())}
+        print(json.dumps(steps))
 
 
 if __name__ == "__main__":
