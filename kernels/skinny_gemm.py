@@ -146,6 +146,7 @@ def skinny_gemm(
         block_k //= 2
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     if lora is None:
+        # Unread without HAS_LORA: any tensor for its six pointers, zeros for its seven ints.
         lora_args, r = (weight,) * 6 + (0,) * 7, 16
         slots = parts = 1
     else:
