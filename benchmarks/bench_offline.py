@@ -227,7 +227,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     }
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens
-    if args.max_running_requests:
+    if args.max_running_requests is not None:  # the engine refuses a value below 1
         options["max_running_requests"] = args.max_running_requests
     return options
 
