@@ -310,3 +310,27 @@ def test_a_cuda_graph_replays_any_mix_of_adapters():
         ref.batch.prepare(slots.cuda())
         want = ref.apply(x, torch.zeros_like(out))
         torch.testing.assert_close(out.float(), want.float(), **tol(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_graph_of_the_fused_small_batch_path_replays_any_mix_of_adapters():
+    # fused_linear under a graph captured with no adapter row, replayed with others: the
+    # epilogue reads each replay's row slots; rows of no adapter get the GEMM alone.
+    fast, ref = lora_layers({"gate_proj": 64, "up_proj": 64}, K, torch.bfloat16, "cuda")
+    rows, gen = 8, torch.Generator().manual_seed(8)
+    w = (torch.randn(128, K, generator=gen) / K**0.5).to("cuda", torch.bfloat16)
+    x = torch.zeros(rows, K, dtype=torch.bfloat16, device="cuda")
+    fast.batch.prepare(torch.full((rows,), -1, device="cuda"))
+    assert fast.fused_linear(x, w, None, max_rows=16) is not None  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fast.fused_linear(x, w, None, max_rows=16)
+    for seed in range(3):
+        slots = mixed_slots(rows, seed=20 + seed)
+        x.copy_(torch.randn(rows, K, generator=gen))
+        fast.batch.prepare(slots.cuda())
+        graph.replay()
+        ref.batch.prepare(slots.cuda())
+        want = ref.apply(x, torch.nn.functional.linear(x, w))
+        torch.testing.assert_close(out.float(), want.float(), **tol(torch.bfloat16))
