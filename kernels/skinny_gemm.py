@@ -40,10 +40,17 @@ class LoraEpilogue:
     offsets: torch.Tensor
     sizes: tuple[int, ...]
 
-    MAX_RANK = 128  # one tile of B's columns
-
     def fits(self, block_n: int) -> bool:
-        return self.b.shape[2] <= self.MAX_RANK and all(size % block_n == 0 for size in self.sizes)
+        return lora_epilogue_fits(self.b.shape[2], self.sizes, block_n)
+
+
+LORA_MAX_RANK = 128  # one tile of B's columns
+
+
+def lora_epilogue_fits(max_rank: int, sizes: tuple[int, ...], block_n: int) -> bool:
+    """Whether a layer of parts `sizes` with B's rank dim `max_rank` takes the LoRA epilogue
+    at column tiles of block_n (shapes only: a layer asks once)."""
+    return max_rank <= LORA_MAX_RANK and all(size % block_n == 0 for size in sizes)
 
 
 @triton.jit
@@ -195,6 +202,6 @@ def _check_lora(lora: LoraEpilogue, m: int, n: int, block_n: int) -> None:
         raise ValueError("skinny_gemm's LoRA epilogue needs lora_y float32 and B's last dim contiguous")
     if not lora.fits(block_n):
         raise ValueError(
-            f"skinny_gemm's LoRA epilogue needs ranks of at most {LoraEpilogue.MAX_RANK} and "
+            f"skinny_gemm's LoRA epilogue needs ranks of at most {LORA_MAX_RANK} and "
             f"parts that are multiples of block_n {block_n}; got rank {lb.shape[2]}, parts {lora.sizes}"
         )

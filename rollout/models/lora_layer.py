@@ -15,7 +15,6 @@ base output's partials (x @ A^T is linear in the input slices).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -139,6 +138,7 @@ class LoraLayer:
         bounds = [0] + [first + size for first, size in self.part_rows]
         self.part_offsets = torch.tensor(bounds, dtype=torch.int32, device=device)  # [P + 1]
         self._parts = None  # the kernels' OutputParts, made on first use
+        self._fused_fits: bool | None = None  # whether fused_linear applies, once asked
 
     @property
     def nbytes(self) -> int:
@@ -199,17 +199,17 @@ class LoraLayer:
         batch = self.batch
         if not (batch.active and batch.use_kernels and 0 < x.shape[0] <= max_rows):
             return None
-        skinny = kernel("skinny_gemm")
-        sizes = tuple(size for _, size in self.part_rows)
-        s, p, r, k = self.a.shape
-        epilogue = skinny.LoraEpilogue(
-            None, self.b, batch.slots, batch.ranks, self.scales, self.part_offsets, sizes
-        )
-        if not epilogue.fits(SKINNY_GEMM_TILES["block_n"]):
+        skinny, parts = kernel("skinny_gemm"), self._output_parts()
+        if self._fused_fits is None:  # shapes only: decided once
+            block_n = SKINNY_GEMM_TILES["block_n"]
+            self._fused_fits = skinny.lora_epilogue_fits(self.b.shape[2], parts.sizes, block_n)
+        if not self._fused_fits:
             return None
         self._check_rows(x)
-        y = kernel("lora_shrink").lora_shrink(x, self.a.view(s, p * r, k), batch.segments, batch.ranks, r)
-        epilogue = dataclasses.replace(epilogue, lora_y=y)
+        epilogue = skinny.LoraEpilogue(
+            self._shrink(x), self.b, batch.slots, batch.ranks, self.scales, parts.offsets,
+            parts.sizes,
+        )  # fmt: skip
         return skinny.skinny_gemm(x, weight, bias, **SKINNY_GEMM_TILES, lora=epilogue)
 
     def _check_rows(self, x: torch.Tensor) -> None:
@@ -236,11 +236,20 @@ class LoraLayer:
         return out
 
     def _apply_kernels(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        s, p, r, k = self.a.shape
+        y, batch = self._shrink(x), self.batch
         expand = kernel("lora_expand")
+        parts = self._output_parts()
+        return expand.lora_expand(y, self.b, out, batch.segments, batch.ranks, self.scales, parts)
+
+    def _shrink(self, x: torch.Tensor) -> torch.Tensor:
+        """Every row's x @ A^T of its slot: [split_k, T, P x R] float32 partials."""
+        s, p, r, k = self.a.shape
+        shrink = kernel("lora_shrink")
+        return shrink.lora_shrink(x, self.a.view(s, p * r, k), self.batch.segments, self.batch.ranks, r)
+
+    def _output_parts(self):
+        """The kernels' OutputParts of this layer (its part sizes and their device offsets)."""
         if self._parts is None:
             sizes = tuple(size for _, size in self.part_rows)
-            self._parts = expand.OutputParts(sizes, self.part_offsets)
-        segments, ranks = self.batch.segments, self.batch.ranks
-        y = kernel("lora_shrink").lora_shrink(x, self.a.view(s, p * r, k), segments, ranks, r)
-        return expand.lora_expand(y, self.b, out, segments, ranks, self.scales, self._parts)
+            self._parts = kernel("lora_expand").OutputParts(sizes, self.part_offsets)
+        return self._parts
