@@ -19,11 +19,12 @@ from test_tensor_parallel_weights import FakeEngine, InProcessRanks
 from transformers import AutoConfig
 
 from rollout import RolloutEngine
-from rollout.config import LoraOptions, WeightSyncOptions
+from rollout.config import WeightSyncOptions
 from rollout.engine.control_calls import CALLS
 from rollout.engine.lora_manager import LoraManager
 from rollout.errors import InvalidRequest, WeightSyncError
 from rollout.forward.tensor_parallel import TPGroup
+from rollout.lora_options import LoraOptions
 from rollout.models.loader import load_model
 from rollout.models.lora import AdapterSlots
 from rollout.weight_sync.adapter_ranks import ADAPTER_LOAD, RankAdapters

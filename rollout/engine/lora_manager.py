@@ -32,8 +32,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from rollout.config import LoraOptions
 from rollout.errors import Forbidden, InvalidRequest
+from rollout.lora_options import LoraOptions
 from rollout.models.loader import OutsideRootsError
 from rollout.models.lora import AdapterError, AdapterSlots, LoraAdapter, lora_module_shapes
 from rollout.models.lora_adapter import read_peft_adapter
