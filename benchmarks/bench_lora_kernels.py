@@ -10,9 +10,7 @@ kernels' defaults: shrink_settings and expand_settings for the row count, named 
 each alone, and, with --sweep, the fastest shrink of SHRINK_SETTINGS (split_k None:
 choose_split_k's, uncapped) beside the engine's expand, the fastest expand of EXPAND_SETTINGS
 beside the engine's shrink, and the two fastest together, with their largest difference from
-the engine's settings' result. Up to 16 rows it also times the whole projection as the engine ran it
-before (base GEMM, shrink, expand) against its fused path (shrink, then the skinny GEMM adding
-the deltas). One JSON line per group and row count.
+the engine's settings' result. One JSON line per group and row count.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ import torch  # noqa: E402
 from benchmarks.bench_attention import time_ms  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS  # noqa: E402
 
-SKINNY_ROWS = 16  # batches the engine runs through the skinny GEMM's LoRA epilogue
 SHRINK_SETTINGS = [
     {"split_k": sk, "block_n": bn, "block_k": bk}
     for sk, bn, bk in itertools.product((None, 1, 4), (16, 32), (128, 256))
@@ -73,42 +70,6 @@ def main() -> None:
             print(json.dumps(row), flush=True)
 
 
-def fused_path(x, a, b, segments, slots, ranks, scales, parts, us) -> dict:
-    """A small batch's whole projection, in µs: the base GEMM (torch's, as q/k/v and o run it,
-    and the skinny kernel) then the adapters' shrink and expand, against the shrink then the
-    skinny GEMM adding the deltas in its epilogue (LoraLayer.fused_linear)."""
-    from rollout.models.layers import SKINNY_GEMM_TILES
-    from rollout_kernels.lora_expand import lora_expand
-    from rollout_kernels.lora_shrink import lora_shrink
-    from rollout_kernels.skinny_gemm import LoraEpilogue, skinny_gemm
-
-    r, k = b.shape[2], x.shape[1]
-    w = torch.randn(b.shape[1], k, dtype=x.dtype, device=x.device) / k**0.5
-    epilogue = LoraEpilogue(
-        None, b, slots.to(torch.int32), ranks, scales, parts.offsets, parts.sizes
-    )  # fmt: skip
-
-    def unfused(gemm):
-        out = gemm()
-        y = lora_shrink(x, a, segments, ranks, r)
-        return lora_expand(y, b, out, segments, ranks, scales, parts)
-
-    def fused():
-        y = lora_shrink(x, a, segments, ranks, r)
-        lora = dataclasses.replace(epilogue, lora_y=y)
-        return skinny_gemm(x, w, None, **SKINNY_GEMM_TILES, lora=lora)
-
-    torch_gemm = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
-    skinny = lambda: skinny_gemm(x, w, None, **SKINNY_GEMM_TILES)  # noqa: E731
-    diff = (fused().float() - unfused(torch_gemm).float()).abs().max().item()
-    return {
-        "gemm_torch_us": us(torch_gemm), "gemm_skinny_us": us(skinny),
-        "unfused_torch_us": us(lambda: unfused(torch_gemm)),
-        "unfused_skinny_us": us(lambda: unfused(skinny)),
-        "fused_us": us(fused), "fused_max_diff": round(diff, 4),
-    }  # fmt: skip
-
-
 def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -> dict:
     from rollout_kernels.lora_expand import OutputParts, expand_settings, lora_expand
     from rollout_kernels.lora_segments import lora_segments
@@ -147,8 +108,6 @@ def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -
         "expand_us": us(lambda: lora_expand(y, b, out, segments, ranks, scales, parts)),
         "split_k": y.shape[0],
     }
-    if rows <= SKINNY_ROWS:
-        row.update(fused_path(x, a, b, segments, slots, ranks, scales, parts, us))
     if not args.sweep:
         return row
     out.copy_(start)

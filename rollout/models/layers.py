@@ -39,9 +39,6 @@ class FusedOps:
 
     fused = False
     skinny_rows = 0  # linear layers of at most this many rows run the skinny GEMM kernel
-    # Layers with LoRA adapters, of any weight size, over at most this many rows run the
-    # skinny GEMM with the adapters' deltas added in the same launch (LoraLayer.fused_linear).
-    lora_skinny_rows = 0
     batch_invariant = False  # linear layers and the LM head run the batch-invariant GEMM
 
 
@@ -63,7 +60,6 @@ def use_fused_kernels(
             small = isinstance(module, nn.Linear) and module.weight.numel() < skinny_min_weight
             module.fused = enabled
             module.skinny_rows = skinny_rows if enabled and not small else 0
-            module.lora_skinny_rows = skinny_rows if enabled and not batch_invariant else 0
             module.batch_invariant = enabled and batch_invariant
 
 
@@ -111,16 +107,7 @@ class Linear(FusedOps, nn.Linear):
     lora = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._project(x, self.bias)
-
-    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight^T + bias, plus each row's adapter delta when the layer has adapters: in
-        one launch for a small decode batch, else the GEMM and then the adapters' kernels."""
-        if self.lora is not None:
-            fused = self.lora.fused_linear(x, self.weight, bias, self.lora_skinny_rows)
-            if fused is not None:
-                return fused
-        out = linear(x, self.weight, bias, self.skinny_rows, self.batch_invariant)
+        out = linear(x, self.weight, self.bias, self.skinny_rows, self.batch_invariant)
         return out if self.lora is None else self.lora.apply(x, out)
 
 
@@ -267,9 +254,9 @@ class RowParallelLinear(Linear):
         if self.tp.size == 1:
             return super().forward(x)
         bias = self.bias if self.tp.rank == 0 else None
-        # With adapters, this rank's partial delta is added to its partial output: the
-        # all-reduce sums both.
-        out = self._project(x, bias)
+        out = linear(x, self.weight, bias, self.skinny_rows, self.batch_invariant)
+        if self.lora is not None:  # this rank's partial delta, summed with the base partials
+            self.lora.apply(x, out)
         return self.tp.all_reduce(out) if self.reduce else out
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from rollout.forward.tensor_parallel import Shard
-from rollout.models.layers import SKINNY_GEMM_TILES, kernel
+from rollout.models.layers import kernel
 
 
 class LoraBatch:
@@ -138,7 +138,6 @@ class LoraLayer:
         bounds = [0] + [first + size for first, size in self.part_rows]
         self.part_offsets = torch.tensor(bounds, dtype=torch.int32, device=device)  # [P + 1]
         self._parts = None  # the kernels' OutputParts, made on first use
-        self._fused_fits: bool | None = None  # whether fused_linear applies, once asked
 
     @property
     def nbytes(self) -> int:
@@ -184,41 +183,14 @@ class LoraLayer:
         batch = self.batch
         if not batch.active:
             return out
-        self._check_rows(x)
+        if x.shape[0] != batch.slots.shape[0]:
+            raise ValueError(
+                f"LoRA batch prepared for {batch.slots.shape[0]} rows, the layer got "
+                f"{x.shape[0]}: call prepare() with this forward's token slots first"
+            )
         if batch.use_kernels:
             return self._apply_kernels(x, out)
         return self._apply_torch(x, out)
-
-    def fused_linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int
-    ) -> torch.Tensor | None:
-        """x @ weight^T (+ bias) with every row's adapter delta added by the same launch (the
-        skinny GEMM's LoRA epilogue, after the shrink): for a batch of at most `max_rows` rows
-        on the kernels, when some row uses an adapter and the layer's parts fit the GEMM's
-        tiles. None where it does not apply: the caller runs its GEMM and then `apply`."""
-        batch = self.batch
-        if not (batch.active and batch.use_kernels and 0 < x.shape[0] <= max_rows):
-            return None
-        skinny, parts = kernel("skinny_gemm"), self._output_parts()
-        if self._fused_fits is None:  # shapes only: decided once
-            block_n = SKINNY_GEMM_TILES["block_n"]
-            self._fused_fits = skinny.lora_epilogue_fits(self.b.shape[2], parts.sizes, block_n)
-        if not self._fused_fits:
-            return None
-        self._check_rows(x)
-        epilogue = skinny.LoraEpilogue(
-            self._shrink(x), self.b, batch.slots, batch.ranks, self.scales, parts.offsets,
-            parts.sizes,
-        )  # fmt: skip
-        return skinny.skinny_gemm(x, weight, bias, **SKINNY_GEMM_TILES, lora=epilogue)
-
-    def _check_rows(self, x: torch.Tensor) -> None:
-        prepared = self.batch.slots.shape[0]
-        if x.shape[0] != prepared:
-            raise ValueError(
-                f"LoRA batch prepared for {prepared} rows, the layer got {x.shape[0]}: call "
-                f"prepare() with this forward's token slots first"
-            )
 
     def _apply_torch(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # Each live slot over all rows, masked: no host sync and no data-dependent shapes,
@@ -236,20 +208,11 @@ class LoraLayer:
         return out
 
     def _apply_kernels(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        y, batch = self._shrink(x), self.batch
-        expand = kernel("lora_expand")
-        parts = self._output_parts()
-        return expand.lora_expand(y, self.b, out, batch.segments, batch.ranks, self.scales, parts)
-
-    def _shrink(self, x: torch.Tensor) -> torch.Tensor:
-        """Every row's x @ A^T of its slot: [split_k, T, P x R] float32 partials."""
         s, p, r, k = self.a.shape
-        shrink = kernel("lora_shrink")
-        return shrink.lora_shrink(x, self.a.view(s, p * r, k), self.batch.segments, self.batch.ranks, r)
-
-    def _output_parts(self):
-        """The kernels' OutputParts of this layer (its part sizes and their device offsets)."""
+        expand = kernel("lora_expand")
         if self._parts is None:
             sizes = tuple(size for _, size in self.part_rows)
-            self._parts = kernel("lora_expand").OutputParts(sizes, self.part_offsets)
-        return self._parts
+            self._parts = expand.OutputParts(sizes, self.part_offsets)
+        segments, ranks = self.batch.segments, self.batch.ranks
+        y = kernel("lora_shrink").lora_shrink(x, self.a.view(s, p * r, k), segments, ranks, r)
+        return expand.lora_expand(y, self.b, out, segments, ranks, self.scales, self._parts)

@@ -5,8 +5,6 @@ so on CPU the kernel is checked in float32, as the attention kernels are."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -63,60 +61,3 @@ def test_skinny_gemm_rejects_what_it_cannot_do(device):
         skinny_gemm(torch.zeros(1, 15, device=device), w)
     with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
         skinny_gemm(torch.zeros(MAX_ROWS + 1, 16, device=device), w)
-
-
-def _lora_inputs(device, dtype, rows: int, sizes: tuple[int, ...], max_rank: int = 16):
-    """A small decode batch over 3 adapter slots (ranks 8, 16, 0: the last empty) and base-only
-    rows, with the shrink's two float32 partials and B with garbage past each slot's rank."""
-    from rollout_kernels.skinny_gemm import LoraEpilogue
-
-    gen = torch.Generator().manual_seed(rows + len(sizes))
-    p, n, k = len(sizes), sum(sizes), 80
-    x = torch.randn(rows, k, generator=gen).to(device, dtype)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
-    slots = torch.tensor([-1, 0, 1, 2, 7])[torch.randint(0, 5, (rows,), generator=gen)]
-    slots[0] = 1
-    ranks = torch.tensor([8, 16, 0], dtype=torch.int32)
-    y = torch.randn(2, rows, p * max_rank, generator=gen)
-    b = torch.randn(3, n, max_rank, generator=gen) / max_rank**0.5
-    scales = torch.rand(3, p, generator=gen)
-    offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
-    epilogue = LoraEpilogue(
-        y.to(device), b.to(device, dtype), slots.to(device, torch.int32), ranks.to(device),
-        scales.to(device), offsets.to(device), sizes,
-    )  # fmt: skip
-    return x, w, epilogue
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS])
-@pytest.mark.parametrize("sizes", [(64,), (32, 64, 32)])
-def test_the_lora_epilogue_adds_each_rows_adapter_delta(device, dtype, rows, sizes):
-    from rollout_kernels.lora_expand import lora_expand_reference
-
-    x, w, lora = _lora_inputs(device, dtype, rows, sizes)
-    got = skinny_gemm(x, w, None, block_n=32, block_k=64, lora=lora)
-    base = torch.nn.functional.linear(x.float(), w.float())
-    want = lora_expand_reference(
-        lora.lora_y.sum(0), lora.b, base, lora.row_slots.long(), lora.scales, sizes, lora.ranks
-    )
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-    plain = (lora.row_slots < 0) | (lora.row_slots >= 3) | (lora.row_slots == 2)  # rank 0
-    torch.testing.assert_close(got[plain].float(), base[plain], atol=tol, rtol=tol)
-
-
-def test_the_lora_epilogue_rejects_parts_across_tiles_and_wide_ranks(device):
-    from rollout_kernels.skinny_gemm import LoraEpilogue
-
-    x, w, lora = _lora_inputs(device, torch.float32, 3, (48, 16))
-    assert not lora.fits(32) and lora.fits(16)
-    with pytest.raises(ValueError, match="multiples of block_n 32"):
-        skinny_gemm(x, w, None, block_n=32, lora=lora)
-    wide = LoraEpilogue(
-        torch.zeros(1, 3, 2 * 256), torch.zeros(3, 64, 256), lora.row_slots.cpu(),
-        lora.ranks.cpu(), lora.scales.cpu(), lora.offsets.cpu(), lora.sizes,
-    )  # fmt: skip
-    assert not wide.fits(16)
-    with pytest.raises(ValueError, match="lora_y \\[split, M, P x R\\]"):
-        skinny_gemm(x, w, None, block_n=16, lora=dataclasses.replace(lora, lora_y=lora.lora_y[:, :2]))
