@@ -10,6 +10,8 @@ random PEFT adapters on every linear projection, written here. Measurements, in 
   take the adapters in turn; output tok/s of both and their ratio.
 - batch1: one request's decode step (t(n tokens) - t(1 token)) / (n - 1) on the base engine and
   on the LoRA engine with one adapter; ratio of tok/s.
+- prefill: the batch's prompts with one output token, the prefix cache flushed first (best of
+  two), base and LoRA.
 - sync: a rank --sync-rank adapter of the same modules pushed with WeightSender (tensor handles
   on the engine's GPU; CPU tensors on a CPU), seconds per push, first push included.
 """
@@ -92,6 +94,15 @@ def step_seconds(engine: RolloutEngine, prompt, n: int, lora=None) -> float:
     return (full - one) / (n - 1)
 
 
+def prefill_seconds(engine: RolloutEngine, prompts, lora=None) -> float:
+    """The prompts' prefill with one output token, the prefix cache flushed first; best of two."""
+    times = []
+    for _ in range(2):
+        engine.flush_cache()
+        times.append(timed_generate(engine, prompts, 1, lora))
+    return min(times)
+
+
 def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -107,6 +118,7 @@ def run(args: argparse.Namespace, model_path: str, config) -> None:
     try:
         timed_generate(base, prompts[:4], 8)
         base_s = timed_generate(base, prompts, args.len)
+        base_prefill = prefill_seconds(base, prompts)
         base_step = step_seconds(base, prompts[0], args.len)
     finally:
         base.shutdown()
@@ -125,6 +137,9 @@ def run(args: argparse.Namespace, model_path: str, config) -> None:
         emit(bench="lora_batch", num_seqs=args.num_seqs, len=args.len, ranks=ranks,
              base_tok_per_s=round(total / base_s, 1), lora_tok_per_s=round(total / lora_s, 1),
              ratio=round(base_s / lora_s, 3), kernel_plan=engine.get_server_info().get("kernel_plan"))
+        lora_prefill = prefill_seconds(engine, prompts, names)
+        emit(bench="lora_prefill", tokens=total, base_s=round(base_prefill, 4),
+             lora_s=round(lora_prefill, 4), ratio=round(base_prefill / lora_prefill, 3))
         lora_step = step_seconds(engine, prompts[0], args.len, "a0")
         emit(bench="lora_batch1", base_step_ms=round(base_step * 1e3, 3),
              lora_step_ms=round(lora_step * 1e3, 3), ratio=round(base_step / lora_step, 3), rank=ranks[0])

@@ -31,7 +31,7 @@ from rollout.real_configs import REAL_CONFIGS  # noqa: E402
 
 SHRINK_SETTINGS = [
     {"split_k": sk, "block_n": bn, "block_k": bk}
-    for sk, bn, bk in itertools.product((None, 1, 4), (16, 32), (128, 256))
+    for sk, bn, bk in itertools.product((None, 1, 4), (16, 32, 64), (64, 128, 256))
 ]
 EXPAND_SETTINGS = [
     {"block_n": bn, "num_warps": w, "n_tiles": t, "num_stages": st}

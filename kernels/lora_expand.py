@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout_kernels.lora_segments import LoraSegments, segment_rows
+from rollout_kernels.lora_segments import LONG_ROWS, LoraSegments, segment_rows
 from rollout_kernels.lora_shrink import DECODE_ROWS, TUNED_ROWS
 from rollout_kernels.precision import dot_precision
 
@@ -55,11 +55,14 @@ def expand_settings(rows: int) -> ExpandSettings:
 
     Every column tile of a row block reads that block's y (all its partials) again, so wide
     tiles pay; a decode batch, one row block per slot, keeps them narrower to have programs
-    enough to stream B. A prefill past TUNED_ROWS keeps the untuned launch."""
+    enough to stream B. A long prefill (past LONG_ROWS: blocks of 64 rows) has its own; a
+    batch between TUNED_ROWS and LONG_ROWS keeps the untuned launch."""
     if rows <= DECODE_ROWS:
         return ExpandSettings(block_n=128, num_warps=8)
     if rows <= TUNED_ROWS:
         return ExpandSettings(block_n=256, num_warps=8)
+    if rows > LONG_ROWS:
+        return ExpandSettings(block_n=64, num_warps=4, n_tiles=8, num_stages=3)
     return ExpandSettings(block_n=64, num_warps=4)
 
 

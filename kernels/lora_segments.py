@@ -23,6 +23,16 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16  # rows per program: tl.dot's smallest tile
+# A batch of more rows than this (a long prefill, run eagerly) is grouped in blocks of
+# LONG_BLOCK_M rows: a program's tile of y and B then serves four times the rows, and the
+# grid is a quarter as long. A decode batch keeps blocks of 16: its slots hold few rows each.
+LONG_ROWS = 1024
+LONG_BLOCK_M = 64
+
+
+def block_m_for(rows: int) -> int:
+    """The rows per program block of a batch of `rows` token rows."""
+    return LONG_BLOCK_M if rows > LONG_ROWS else BLOCK_M
 
 
 @dataclass(frozen=True)
@@ -50,12 +60,18 @@ class LoraSegments:
 
 
 def lora_segments(
-    slots: torch.Tensor, num_slots: int, block_m: int = BLOCK_M, out: LoraSegments | None = None
+    slots: torch.Tensor,
+    num_slots: int,
+    block_m: int | None = None,
+    out: LoraSegments | None = None,
 ) -> LoraSegments:
     """slots: [T] int, each row's adapter slot in [0, num_slots), anything else (-1) for a
-    base-only row. Returns the layout, written into `out`'s tensors when given (their shapes
-    must be [T] and [num_slots]: persistent buffers that a CUDA graph reads)."""
+    base-only row. Returns the layout in blocks of `block_m` rows (None: out's, else
+    block_m_for(T)), written into `out`'s tensors when given (their shapes must be [T] and
+    [num_slots]: persistent buffers that a CUDA graph reads)."""
     t = slots.shape[0]
+    if block_m is None:
+        block_m = out.block_m if out is not None else block_m_for(t)
     key = slots.long()
     key = torch.where((key < 0) | (key >= num_slots), num_slots, key)
     order = torch.argsort(key, stable=True)

@@ -99,8 +99,10 @@ class LoraBatch:
         segments_module = kernel("lora_segments")
         if not persistent:
             return segments_module.lora_segments(slots, self.num_slots)
-        if self._segments is None:
-            self._segments = segments_module.lora_segments(self._slots, self.num_slots)
+        if self._segments is None:  # a decode batch's blocks, whatever max_tokens is
+            self._segments = segments_module.lora_segments(
+                self._slots, self.num_slots, segments_module.BLOCK_M
+            )
         full, t = self._segments, slots.shape[0]
         views = segments_module.LoraSegments(
             full.order[:t], full.seg_start, full.seg_len, full.block_end, full.block_m

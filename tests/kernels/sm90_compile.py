@@ -14,7 +14,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from rollout_kernels import lora_expand, skinny_gemm  # noqa: E402
+from rollout_kernels import lora_expand, lora_shrink, skinny_gemm  # noqa: E402
+from rollout_kernels.lora_segments import LONG_BLOCK_M  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
 
@@ -40,24 +41,33 @@ def compile_variant(
 
 
 def main() -> None:
-    for has_lora in (False, True):
+    compile_variant(
+        skinny_gemm._skinny_gemm_kernel,
+        {"HAS_BIAS": True, "DOT_PRECISION": "tf32", "BLOCK_M": skinny_gemm.MAX_ROWS,
+         "BLOCK_N": 32, "BLOCK_K": 512},
+        {"num_warps": 4, "num_stages": 5},
+        int32=set(), float32=set(),
+    )  # fmt: skip
+    segments = {"order_ptr", "seg_start_ptr", "seg_len_ptr", "block_end_ptr"}
+    # A decode batch's blocks of 16 rows and a long prefill's of 64 (block_m_for).
+    for block_m, block_n, block_k in ((16, 16, 256), (LONG_BLOCK_M, 64, 256)):
         compile_variant(
-            skinny_gemm._skinny_gemm_kernel,
-            {"HAS_BIAS": True, "DOT_PRECISION": "tf32", "BLOCK_M": skinny_gemm.MAX_ROWS,
-             "BLOCK_N": 32, "BLOCK_K": 512, "HAS_LORA": has_lora, "NUM_SLOTS": 9,
-             "NUM_PARTS": 3, "BLOCK_R": 64},
-            {"num_warps": 4, "num_stages": 5},
-            int32={"lslot_ptr", "lrank_ptr", "loff_ptr"}, float32={"ly_ptr", "lscale_ptr"},
+            lora_shrink._lora_shrink_kernel,
+            {"NUM_SLOTS": 9, "SLOTS_PAD": 16, "DOT_PRECISION": "tf32", "BLOCK_M": block_m,
+             "BLOCK_N": block_n, "BLOCK_K": block_k},
+            {"num_warps": 4, "num_stages": 3},
+            int32={"ranks_ptr"} | segments, float32={"y_ptr"},
         )  # fmt: skip
-    for one_block, n_tiles, stages in ((True, 1, 3), (True, 8, 2), (False, 2, 3)):
+    for block_m, block_n, warps, one_block, n_tiles, stages in (
+        (16, 256, 8, True, 1, 3), (16, 256, 8, True, 8, 2), (16, 256, 8, False, 2, 3),
+        (LONG_BLOCK_M, 64, 4, True, 8, 3),
+    ):
         compile_variant(
             lora_expand._lora_expand_kernel,
-            {"NUM_SLOTS": 9, "SLOTS_PAD": 16, "DOT_PRECISION": "tf32", "BLOCK_M": 16,
-             "BLOCK_N": 256, "BLOCK_R": 64, "N_TILES": n_tiles, "ONE_R_BLOCK": one_block},
-            {"num_warps": 8, "num_stages": stages},
-            int32={"ranks_ptr", "offsets_ptr", "order_ptr", "seg_start_ptr", "seg_len_ptr",
-                   "block_end_ptr"},
-            float32={"y_ptr", "scales_ptr"},
+            {"NUM_SLOTS": 9, "SLOTS_PAD": 16, "DOT_PRECISION": "tf32", "BLOCK_M": block_m,
+             "BLOCK_N": block_n, "BLOCK_R": 64, "N_TILES": n_tiles, "ONE_R_BLOCK": one_block},
+            {"num_warps": warps, "num_stages": stages},
+            int32={"ranks_ptr", "offsets_ptr"} | segments, float32={"y_ptr", "scales_ptr"},
         )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from rollout.models.lora_layer import LoraBatch, LoraLayer  # noqa: E402
 from rollout_kernels.lora_expand import OutputParts, lora_expand, lora_expand_reference  # noqa: E402
-from rollout_kernels.lora_segments import lora_segments  # noqa: E402
+from rollout_kernels.lora_segments import LONG_ROWS, lora_segments  # noqa: E402
 from rollout_kernels.lora_shrink import (  # noqa: E402
     DECODE_ROWS,
     lora_shrink,
@@ -78,6 +78,11 @@ def test_the_grid_covers_every_slots_blocks_and_no_more_than_its_rows_need(devic
             worst = max(worst, seg.block_end[-1].item())
             assert worst <= seg.grid_blocks()
         assert seg.grid_blocks() == -(-t // 16) + min(s, t) - 1
+    # A long prefill's blocks are of 64 rows, with the same cover.
+    slots = torch.arange(LONG_ROWS + 5, device=device) % 3
+    seg = lora_segments(slots, num_slots=3)
+    assert seg.block_m == 64 and seg.block_end.tolist() == [6, 12, 18]
+    assert seg.grid_blocks() == -(-(LONG_ROWS + 5) // 64) + 2
     assert lora_segments(torch.zeros(1, dtype=torch.long, device=device), 9).grid_blocks() == 1
 
 
@@ -167,10 +172,11 @@ def test_expand_with_ranks_past_one_rank_block_matches_torch(device, n_tiles):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, DECODE_ROWS, DECODE_ROWS + 1, 64, 300])
+@pytest.mark.parametrize("rows", [1, DECODE_ROWS, DECODE_ROWS + 1, 64, 300, LONG_ROWS + 37])
 def test_the_engines_settings_for_each_batch_size_match_torch(device, dtype, rows):
     # The kernels' defaults: the launch the engine makes for this many rows, either side of
-    # the decode batch's bound and for a prefill. K is long enough that every size splits it.
+    # the decode batch's bound, for a prefill and for a long prefill (blocks of 64 rows).
+    # K is long enough that every size up to a long prefill splits it.
     k, sizes = 640, (48, 16, 16)
     p, n = len(sizes), sum(sizes)
     slots = mixed_slots(rows, seed=rows).to(device)
@@ -183,8 +189,9 @@ def test_the_engines_settings_for_each_batch_size_match_torch(device, dtype, row
     scales = torch.rand(len(RANKS), p, generator=gen).to(device)
     out = torch.randn(rows, n, generator=gen).to(device, dtype)
     segments = lora_segments(slots, len(RANKS))
+    assert segments.block_m == (64 if rows > LONG_ROWS else 16)
     y = lora_shrink(x, a, segments, ranks, rank_stride=R)
-    assert y.shape[0] > 1
+    assert y.shape[0] > 1 or rows > LONG_ROWS
     cap = shrink_settings(rows).max_split_k
     if cap is not None:  # past a decode batch the partials stay few
         assert y.shape[0] <= cap
