@@ -32,6 +32,10 @@ DECODE_ROWS = 16
 # The largest batch the tuned settings are for (the decode batches CUDA graphs capture); a
 # longer prefill launches as the kernels did before they were tuned.
 TUNED_ROWS = 256
+# One batch size of each launch class: within a class both kernels launch the same way (their
+# settings, the segments' block size and whether K is split), so a batch of each compiles every
+# variant the engine launches.
+LAUNCH_CLASS_ROWS = (1, DECODE_ROWS + 1, TUNED_ROWS + 1, LONG_ROWS + 1)
 
 
 @dataclass(frozen=True)

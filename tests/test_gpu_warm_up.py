@@ -40,6 +40,32 @@ def test_serving_after_the_warm_up_compiles_nothing(tiny_qwen3, dtype):
         for extra in ([80, 81], [90, 91, 92, 93]):  # a cached prefix, extended
             engine.generate(input_ids=prefix + extra, sampling_params={"max_new_tokens": 3})
         served = engine.get_server_info()
+    compiled = _compiled_since(ready, served)
+    assert compiled == {}, f"compiled after the warm-up: {compiled}"
+
+
+def _compiled_since(ready: dict, served: dict) -> dict:
     before, after = ready["kernel_compiles_by_kernel"], served["kernel_compiles_by_kernel"]
-    compiled = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
+def test_lora_prefills_of_every_size_compile_nothing_after_the_warm_up(tiny_qwen3, tmp_path):
+    # LoRA's kernels launch differently by batch size (a decode batch, a prefill, a prefill
+    # past 1,024 rows in blocks of 64): the engine compiles each before it is ready.
+    pytest.importorskip("peft")
+    from lora_helpers import make_peft_adapter
+
+    adapter = make_peft_adapter(tiny_qwen3, str(tmp_path / "a"), 8, 16, "all-linear", seed=3)
+    with RolloutEngine(
+        tiny_qwen3, dtype="bfloat16", device="cuda", max_total_tokens=20000,
+        enable_lora=True, lora_paths=[f"a={adapter}"], max_lora_rank=8,
+    ) as engine:  # fmt: skip
+        ready = engine.get_server_info()
+        params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+        for num, length in ((1, 5), (3, 30), (2, 200), (8, 190)):  # up to 1,520 rows at once
+            prompts = [[(7 + 11 * i + j) % 900 + 3 for j in range(length)] for i in range(num)]
+            names = ["a" if i % 2 == 0 else None for i in range(num)]
+            engine.generate(input_ids=prompts, sampling_params=params, lora_path=names)
+        served = engine.get_server_info()
+    compiled = _compiled_since(ready, served)
     assert compiled == {}, f"compiled after the warm-up: {compiled}"

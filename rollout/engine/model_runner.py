@@ -101,6 +101,7 @@ class ModelRunner:
         if options.lora.enable_lora:
             use_kernels = self.device.type == "cuda"
             self.lora = LoraManager(self.model, options.lora, use_kernels)
+            self.lora.slots.compile_kernels()
         self._init_attention(options, num_kv_heads, head_dim)
         # The heads turn a step's final hidden states into its outputs.
         self.sampling_head = SamplingHead(eos_token_ids, self.last_token, self.kernel_plan)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rollout.models.layers import MergedLinear, RowParallelLinear
+from rollout.models.layers import MergedLinear, RowParallelLinear, kernel
 from rollout.models.lora_adapter import (
     LORA_MODULES,
     AdapterError,
@@ -289,6 +289,20 @@ class AdapterSlots:
         # keeps the rank: copying the first `rank` of them is the whole write.
         writes.write([t for _, t in tensors])
         return writes.modules
+
+    def compile_kernels(self) -> None:
+        """Runs every layer's kernels once at a batch size of each of their launch classes
+        (rows of slot 0, whatever it holds, the outputs dropped): a prefill then compiles no
+        Triton variant while serving. CUDA graphs cover decode at their sizes; an eager
+        prefill of some class would otherwise compile inside the first request that has it."""
+        if not self.batch.use_kernels:
+            return
+        for rows in kernel("lora_shrink").LAUNCH_CLASS_ROWS:
+            self.batch.prepare(torch.zeros(rows, dtype=torch.int32))
+            for layer in self.layers.values():
+                x = layer.a.new_zeros(rows, layer.a.shape[-1])
+                layer.apply(x, layer.b.new_zeros(rows, layer.b.shape[1]))
+        self.batch.prepare(torch.zeros(0, dtype=torch.int32), active=False)
 
     def detach(self, model: nn.Module) -> None:
         """Takes the slots off `model`'s layers: it computes the base model only again."""

@@ -163,3 +163,31 @@ def test_pad_to_needs_the_batch_in_its_persistent_buffers(served):
     slots.batch.prepare(torch.zeros(slots.batch.max_tokens + 1, dtype=torch.int32))  # any device
     with pytest.raises(ValueError, match="persistent buffers"):
         slots.batch.pad_to(slots.batch.max_tokens + 1)
+
+
+def test_compile_kernels_launches_each_class_and_leaves_the_adapters_as_they_were(served):
+    # The engine runs it before serving: one batch of each launch class through every layer,
+    # so that no prefill compiles a kernel variant later; it must change no output.
+    slots, _, logs = served
+    layer = next(iter(slots.layers.values()))
+    dev = device_of(slots)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, layer.a.shape[-1], generator=gen).to(dev)
+    out = torch.randn(3, layer.b.shape[1], generator=gen).to(dev)
+    slots.prepare_batch(["a", None, "b"], [1, 1, 1])
+    before = layer.apply(x, out.clone())
+    for log in logs.values():
+        log.launches.clear()
+    slots.compile_kernels()
+    if slots.batch.use_kernels:
+        assert not slots.batch.active  # nothing prepared: the runner prepares each forward
+        classes = shrink_module.LAUNCH_CLASS_ROWS
+        rows = sorted({shapes[0][0] for *_, shapes, _ in logs["_lora_shrink_kernel"].launches})
+        assert rows == list(classes)
+        block_m = {dict(kw)["BLOCK_M"] for *_, kw in logs["_lora_expand_kernel"].launches}
+        assert block_m == {16, 64}  # a long prefill's blocks too
+        assert len(logs["_lora_expand_kernel"].launches) == len(classes) * len(slots.layers)
+    else:
+        assert all(not log.launches for log in logs.values())
+    slots.prepare_batch(["a", None, "b"], [1, 1, 1])
+    torch.testing.assert_close(layer.apply(x, out.clone()), before)
