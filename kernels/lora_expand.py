@@ -69,16 +69,16 @@ def expand_settings(rows: int) -> ExpandSettings:
 @triton.jit
 def _lora_expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scales_ptr, offsets_ptr,
-    order_ptr, seg_start_ptr, seg_len_ptr, block_end_ptr,
+    order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
     R, SPLIT_K,
     stride_ys, stride_ym, stride_bs, stride_bn, stride_om, stride_ss,
-    NUM_SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SLOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     N_TILES: tl.constexpr, ONE_R_BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid_m, part, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, tokens, rmask = segment_rows(
-        block_end_ptr, seg_start_ptr, seg_len_ptr, order_ptr, pid_m, NUM_SLOTS, SLOTS_PAD, BLOCK_M
+        block_slot_ptr, block_first_ptr, block_rows_ptr, order_ptr, pid_m, BLOCK_M
     )
     first = tl.load(offsets_ptr + part) + pid_n * (N_TILES * BLOCK_N)
     n1 = tl.load(offsets_ptr + part + 1)
@@ -185,10 +185,10 @@ def lora_expand(
     launch = {} if num_stages is None else {"num_stages": num_stages}
     _lora_expand_kernel[grid](
         y, b, out, ranks, scales, parts.offsets,
-        segments.order, segments.seg_start, segments.seg_len, segments.block_end,
+        segments.order, segments.block_slot, segments.block_first, segments.block_rows,
         r, split_k,
         y.stride(0), y.stride(1), b.stride(0), b.stride(1), out.stride(0), scales.stride(0),
-        NUM_SLOTS=s, SLOTS_PAD=triton.next_power_of_2(s), DOT_PRECISION=dot_precision(b.dtype),
+        NUM_SLOTS=s, DOT_PRECISION=dot_precision(b.dtype),
         BLOCK_M=segments.block_m, BLOCK_N=block_n, BLOCK_R=block_r, N_TILES=n_tiles,
         ONE_R_BLOCK=r <= block_r, num_warps=num_warps, **launch,
     )  # fmt: skip

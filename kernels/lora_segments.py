@@ -10,8 +10,11 @@ inside or outside a CUDA graph, into buffers a captured graph reads.
 
 A grid of cdiv(T, BLOCK_M) + min(S, T) - 1 blocks always covers every slot's blocks: at most
 min(S, T) slots have rows, and the blocks of k slots with rows number at most cdiv(T, BLOCK_M)
-+ k - 1 (cdiv(a) + cdiv(b) <= cdiv(a + b) + 1). The programs past block_end[S - 1] return at
-once; a decode of one row runs one block, whatever the slots.
++ k - 1 (cdiv(a) + cdiv(b) <= cdiv(a + b) + 1). Each block's slot, first index into `order`
+and row count are tabled per block (`block_slot`, `block_first`, `block_rows`), so that a
+program finds its rows with one read instead of a chain of dependent ones; the blocks past the
+last slot's are empty and their programs return at once; a decode of one row runs one block,
+whatever the slots.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class LoraSegments:
     seg_start: torch.Tensor  # [S]: where each slot's rows start in `order`
     seg_len: torch.Tensor  # [S]: how many rows each slot has
     block_end: torch.Tensor  # [S]: cumulative sum of cdiv(seg_len, block_m)
+    block_slot: torch.Tensor  # [G]: each program block's slot (S: an empty block)
+    block_first: torch.Tensor  # [G]: where its rows start in `order`
+    block_rows: torch.Tensor  # [G]: how many rows it has (0 for an empty block)
     block_m: int = BLOCK_M
 
     @property
@@ -55,8 +61,33 @@ class LoraSegments:
 
     def grid_blocks(self) -> int:
         """Program blocks along the rows that cover every slot's rows, whatever the slots."""
-        t = self.num_tokens
-        return triton.cdiv(t, self.block_m) + min(self.num_slots, t) - 1 if t else 0
+        return grid_blocks(self.num_tokens, self.num_slots, self.block_m)
+
+    def rows(self, t: int) -> LoraSegments:
+        """Views of these (persistent) tensors for a batch of t rows: what `lora_segments(...,
+        out=...)` writes a batch of t rows into, and what a CUDA graph of t rows reads."""
+        g = grid_blocks(t, self.num_slots, self.block_m)
+        return LoraSegments(
+            self.order[:t], self.seg_start, self.seg_len, self.block_end, self.block_slot[:g],
+            self.block_first[:g], self.block_rows[:g], self.block_m,
+        )  # fmt: skip
+
+    def padded(self, t: int, rows: int) -> LoraSegments:
+        """The views for `rows` rows of persistent tensors that hold a batch of t rows, its
+        rows t .. rows - 1 base-only padding (in row order, read by no block): the layout
+        that rows - t more rows of -1 would give the batch."""
+        self.order[t:rows].copy_(torch.arange(t, rows, dtype=torch.int32, device=self.order.device))
+        g_t = grid_blocks(t, self.num_slots, self.block_m)
+        padded = self.rows(rows)
+        padded.block_slot[g_t:].fill_(self.num_slots)
+        padded.block_first[g_t:].zero_()
+        padded.block_rows[g_t:].zero_()
+        return padded
+
+
+def grid_blocks(t: int, num_slots: int, block_m: int) -> int:
+    """Program blocks along the rows that cover the rows of t tokens over num_slots slots."""
+    return triton.cdiv(t, block_m) + min(num_slots, t) - 1 if t else 0
 
 
 def lora_segments(
@@ -81,39 +112,49 @@ def lora_segments(
     seg_len = counts[:num_slots]
     seg_start = torch.cumsum(seg_len, 0) - seg_len
     block_end = torch.cumsum((seg_len + block_m - 1) // block_m, 0)
+    g = grid_blocks(t, num_slots, block_m)
     if out is None:
         out = LoraSegments(
             torch.empty(t, dtype=torch.int32, device=slots.device),
             *(torch.empty(num_slots, dtype=torch.int32, device=slots.device) for _ in range(3)),
+            *(torch.empty(g, dtype=torch.int32, device=slots.device) for _ in range(3)),
             block_m=block_m,
         )
-    if out.num_tokens != t or out.num_slots != num_slots or out.block_m != block_m:
+    if (
+        out.num_tokens != t
+        or out.num_slots != num_slots
+        or out.block_m != block_m
+        or out.block_slot.shape[0] != g
+    ):
         raise ValueError(
-            f"lora_segments: out holds {out.num_tokens} rows, {out.num_slots} slots and blocks of "
-            f"{out.block_m}; this batch needs {t}, {num_slots} and {block_m}"
+            f"lora_segments: out holds {out.num_tokens} rows, {out.num_slots} slots, "
+            f"{out.block_slot.shape[0]} blocks of {out.block_m}; this batch needs {t}, "
+            f"{num_slots} and {g} of {block_m}"
         )
     out.order.copy_(order)
     out.seg_start.copy_(seg_start)
     out.seg_len.copy_(seg_len)
     out.block_end.copy_(block_end)
+    # Block b belongs to the first slot whose blocks end past it (num_slots: none does).
+    blocks = torch.arange(g, dtype=torch.int64, device=slots.device)
+    slot = torch.searchsorted(block_end, blocks, right=True)
+    safe = slot.clamp(max=num_slots - 1)
+    local = blocks - (block_end - (seg_len + block_m - 1) // block_m)[safe]  # block within slot
+    rows = (seg_len[safe] - local * block_m).clamp(0, block_m)
+    out.block_slot.copy_(slot)
+    out.block_first.copy_(seg_start[safe] + local * block_m)
+    out.block_rows.copy_(torch.where(slot < num_slots, rows, 0))
     return out
 
 
 @triton.jit
 def segment_rows(
-    block_end_ptr, seg_start_ptr, seg_len_ptr, order_ptr, pid,
-    NUM_SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    block_slot_ptr, block_first_ptr, block_rows_ptr, order_ptr, pid, BLOCK_M: tl.constexpr
 ):  # fmt: skip
-    """(slot, token rows [BLOCK_M], row mask) of program block `pid`; slot == NUM_SLOTS when
-    the block has no rows (the caller returns)."""
-    ss = tl.arange(0, SLOTS_PAD)
-    ends = tl.load(block_end_ptr + ss, mask=ss < NUM_SLOTS, other=2**30)
-    # block_end is non-decreasing: the slot of block `pid` is the first whose end is past it.
-    slot = tl.sum((ends <= pid).to(tl.int32))
-    safe = tl.minimum(slot, NUM_SLOTS - 1)
-    length = tl.load(seg_len_ptr + safe)
-    first_block = tl.load(block_end_ptr + safe) - tl.cdiv(length, BLOCK_M)
-    rows = (pid - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < tl.where(slot < NUM_SLOTS, length, 0)
-    tokens = tl.load(order_ptr + tl.load(seg_start_ptr + safe) + rows, mask=rmask, other=0)
+    """(slot, token rows [BLOCK_M], row mask) of program block `pid`; the slot is the number
+    of slots when the block has no rows (the caller returns)."""
+    slot = tl.load(block_slot_ptr + pid)
+    first = tl.load(block_first_ptr + pid)
+    rmask = tl.arange(0, BLOCK_M) < tl.load(block_rows_ptr + pid)
+    tokens = tl.load(order_ptr + first + tl.arange(0, BLOCK_M), mask=rmask, other=0)
     return slot, tokens, rmask

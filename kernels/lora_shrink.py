@@ -69,15 +69,15 @@ def shrink_settings(rows: int) -> ShrinkSettings:
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, y_ptr, ranks_ptr,
-    order_ptr, seg_start_ptr, seg_len_ptr, block_end_ptr,
+    order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
     N, K, R, K_PER_SPLIT,
     stride_xm, stride_as, stride_an, stride_ys, stride_ym,
-    NUM_SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SLOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, tokens, rmask = segment_rows(
-        block_end_ptr, seg_start_ptr, seg_len_ptr, order_ptr, pid_m, NUM_SLOTS, SLOTS_PAD, BLOCK_M
+        block_slot_ptr, block_first_ptr, block_rows_ptr, order_ptr, pid_m, BLOCK_M
     )
     if slot >= NUM_SLOTS:
         return
@@ -163,10 +163,10 @@ def lora_shrink(
     grid = (segments.grid_blocks(), triton.cdiv(n, block_n), split_k)
     _lora_shrink_kernel[grid](
         x, a, y, ranks,
-        segments.order, segments.seg_start, segments.seg_len, segments.block_end,
+        segments.order, segments.block_slot, segments.block_first, segments.block_rows,
         n, k, rank_stride, k_per_split,
         x.stride(0), a.stride(0), a.stride(1), y.stride(0), y.stride(1),
-        NUM_SLOTS=s, SLOTS_PAD=triton.next_power_of_2(s), DOT_PRECISION=dot_precision(x.dtype),
+        NUM_SLOTS=s, DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=segments.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
     return y

@@ -41,7 +41,6 @@ class LoraBatch:
         self.live_slots: tuple[int, ...] = ()  # slots holding an adapter (host copy)
         self._slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self._segments = None  # LoraSegments over max_tokens rows, once the kernels are used
-        self._rows = torch.arange(max_tokens, dtype=torch.int32, device=device)  # row indices
         self.slots = self._slots[:0]  # [T]: this forward's rows
         self.segments = None  # this forward's LoraSegments (kernel path)
         self.active = False  # False: no row of this forward uses an adapter; layers skip
@@ -80,13 +79,7 @@ class LoraBatch:
         self.slots = self._slots[:rows]
         self.active = True
         if self.use_kernels:
-            # Base-only rows sort last, in row order, and no block reads them: the padding
-            # rows go to the end of `order`, and every other index is as prepared.
-            full = self._segments
-            full.order[t:rows].copy_(self._rows[t:rows])
-            self.segments = kernel("lora_segments").LoraSegments(
-                full.order[:rows], full.seg_start, full.seg_len, full.block_end, full.block_m
-            )
+            self.segments = self._segments.padded(t, rows)
 
     def prepare_requests(self, req_slots: Sequence[int], extend_lens: Sequence[int]) -> None:
         """The same from per-request slots and new-token counts (host lists, in batch order)."""
@@ -103,10 +96,7 @@ class LoraBatch:
             self._segments = segments_module.lora_segments(
                 self._slots, self.num_slots, segments_module.BLOCK_M
             )
-        full, t = self._segments, slots.shape[0]
-        views = segments_module.LoraSegments(
-            full.order[:t], full.seg_start, full.seg_len, full.block_end, full.block_m
-        )
+        views = self._segments.rows(slots.shape[0])
         return segments_module.lora_segments(slots, self.num_slots, out=views)
 
 

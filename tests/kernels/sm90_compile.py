@@ -48,12 +48,12 @@ def main() -> None:
         {"num_warps": 4, "num_stages": 5},
         int32=set(), float32=set(),
     )  # fmt: skip
-    segments = {"order_ptr", "seg_start_ptr", "seg_len_ptr", "block_end_ptr"}
+    segments = {"order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr"}
     # A decode batch's blocks of 16 rows and a long prefill's of 64 (block_m_for).
     for block_m, block_n, block_k in ((16, 16, 256), (LONG_BLOCK_M, 64, 256)):
         compile_variant(
             lora_shrink._lora_shrink_kernel,
-            {"NUM_SLOTS": 9, "SLOTS_PAD": 16, "DOT_PRECISION": "tf32", "BLOCK_M": block_m,
+            {"NUM_SLOTS": 9, "DOT_PRECISION": "tf32", "BLOCK_M": block_m,
              "BLOCK_N": block_n, "BLOCK_K": block_k},
             {"num_warps": 4, "num_stages": 3},
             int32={"ranks_ptr"} | segments, float32={"y_ptr"},
@@ -64,7 +64,7 @@ def main() -> None:
     ):
         compile_variant(
             lora_expand._lora_expand_kernel,
-            {"NUM_SLOTS": 9, "SLOTS_PAD": 16, "DOT_PRECISION": "tf32", "BLOCK_M": block_m,
+            {"NUM_SLOTS": 9, "DOT_PRECISION": "tf32", "BLOCK_M": block_m,
              "BLOCK_N": block_n, "BLOCK_R": 64, "N_TILES": n_tiles, "ONE_R_BLOCK": one_block},
             {"num_warps": warps, "num_stages": stages},
             int32={"ranks_ptr", "offsets_ptr"} | segments, float32={"y_ptr", "scales_ptr"},
