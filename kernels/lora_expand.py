@@ -66,7 +66,7 @@ def expand_settings(rows: int) -> ExpandSettings:
     return ExpandSettings(block_n=64, num_warps=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLIT_K"])  # 1 or more within one launch class
 def _lora_expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scales_ptr, offsets_ptr,
     order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,

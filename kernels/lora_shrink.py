@@ -156,7 +156,11 @@ def lora_shrink(
     if split_k is None:
         split_k = choose_split_k(segments, n, k, block_n, block_k)
         split_k = min(split_k, settings.max_split_k or split_k)
-    y = torch.empty((split_k, t, n), dtype=torch.float32, device=x.device)
+    # Rows padded to a multiple of 16: the partials' stride is then divisible by 16 whatever
+    # T is, and Triton, which specializes integer arguments on that, builds one variant for
+    # every batch size of a launch class (the warm-up compiles one size of each).
+    y = torch.empty((split_k, triton.cdiv(t, 16) * 16, n), dtype=torch.float32, device=x.device)
+    y = y[:, :t]
     if t == 0:
         return y
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
