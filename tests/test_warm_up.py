@@ -103,3 +103,30 @@ def test_a_failed_warm_up_is_logged_and_the_engine_serves_without_it(tiny_qwen3,
 
 def _failing(*args, **kwargs):
     raise RuntimeError("the device went away")
+
+
+def test_with_the_fused_all_reduce_the_warm_up_prefills_past_the_fused_kernels_rows(
+    tiny_qwen3, monkeypatch
+):
+    # A step of more rows than FlashInfer's fused all-reduce takes runs the all-reduce and
+    # the norm apart (a kernel variant of its own): the warm-up runs one such prefill.
+    import dataclasses
+
+    from rollout.forward.all_reduce_norm import FUSED_MAX_TOKENS
+
+    proc = _process(tiny_qwen3, max_total_tokens=3 * FUSED_MAX_TOKENS)
+    rows, run_model = [], proc.runner._run_model
+
+    def recording(fb):
+        rows.append(fb.input_ids.shape[0])
+        return run_model(fb)
+
+    monkeypatch.setattr(proc.runner, "_run_model", recording)
+    warm_up(proc.options, proc.runner, proc.scheduler.stop_checker, rows=2)
+    assert max(rows) <= FUSED_MAX_TOKENS  # without the fusion, no such prefill
+    rows.clear()
+    fused = dataclasses.replace(proc.runner.kernel_plan, allreduce_fusion=True)
+    monkeypatch.setattr(proc.runner, "kernel_plan", fused)
+    warm_up(proc.options, proc.runner, proc.scheduler.stop_checker, rows=2)
+    assert max(rows) > FUSED_MAX_TOKENS
+    assert proc.scheduler.kv.is_whole()

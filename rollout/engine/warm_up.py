@@ -22,6 +22,7 @@ from rollout.engine.messages import TokenizedRequest
 from rollout.engine.model_runner import ModelRunner
 from rollout.engine.sampling_params import SamplingParams
 from rollout.engine.stop_checker import StopChecker
+from rollout.forward.all_reduce_norm import FUSED_MAX_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -105,3 +106,10 @@ def _phases(
     fits = (largest + 1) * (PROMPT_TOKENS + 2) <= runner.num_slots // 2
     if largest < options.scheduler.max_running_requests and fits:
         yield [request(prompts[i % rows], temperature=1.0) for i in range(largest + 1)]
+    # With the all-reduce fused into the norms, a step of more rows than the fused kernel
+    # takes runs the all-reduce and the norm's own kernel apart: one prefill that long.
+    if runner.kernel_plan.allreduce_fusion:
+        long = FUSED_MAX_TOKENS + 1
+        limit = min(room, options.scheduler.chunked_prefill_size, runner.num_slots // 2)
+        if long <= min(limit, options.scheduler.max_prefill_tokens):
+            yield [request([(11 + 17 * i) % vocab for i in range(long)])]  # nothing of it cached
