@@ -4,9 +4,11 @@ One launch serves a whole projection group: the fused QKV (or gate/up) output is
 of its projections side by side, each with its own B rows, its own shrunk columns of y and its
 own scale. B is [slots, N, R]: the B of every projection stacked along N exactly as the
 group's output columns are, R the largest rank; part p reads y's columns p*R .. p*R + rank.
-Only an adapter's first `rank` columns of B are read. y is the shrink's float32 partial sums,
-[split_k, T, parts x R], added here as they are read. The launch settings follow the number of
-rows (`expand_settings`), as the shrink's do.
+An adapter's columns of B (and of y) are read up to its rank rounded up to RANK_ALIGN when R
+is a multiple of it, so that the loads are 16 bytes wide: B must be zero past each slot's rank
+there (LoraLayer keeps it zero past the rank; the shrink writes zeros in y past it). y is the
+shrink's float32 partial sums, [split_k, T, parts x R], added here as they are read. The launch
+settings follow the number of rows (`expand_settings`), as the shrink's do.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import triton.language as tl
 from rollout_kernels.lora_segments import LONG_ROWS, LoraSegments, segment_rows
 from rollout_kernels.lora_shrink import DECODE_ROWS, TUNED_ROWS
 from rollout_kernels.precision import dot_precision
+
+RANK_ALIGN = 16  # ranks read in steps of this many columns (where R is a multiple of it)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,24 @@ def expand_settings(rows: int) -> ExpandSettings:
     return ExpandSettings(block_n=64, num_warps=4)
 
 
+@triton.jit
+def read_rank(ranks_ptr, slot, RANK_ALIGN: tl.constexpr):
+    """The columns of B and y to read for `slot`: its rank rounded up to RANK_ALIGN. A mask
+    that ends on a multiple of 16 lets each thread load 16 bytes at once; one that may end
+    anywhere loads element by element."""
+    rank = tl.load(ranks_ptr + slot)
+    return tl.multiple_of(tl.cdiv(rank, RANK_ALIGN) * RANK_ALIGN, RANK_ALIGN)
+
+
+@triton.jit
+def part_columns(offsets_ptr, part, offset, COL_ALIGN: tl.constexpr):
+    """(first, end) of the output columns a program of projection `part` starts at (`offset`
+    columns in) and must stay below. Every part starting on a multiple of COL_ALIGN lets the
+    output rows load and store 16 bytes at once."""
+    first = tl.multiple_of(tl.load(offsets_ptr + part), COL_ALIGN) + offset
+    return first, tl.multiple_of(tl.load(offsets_ptr + part + 1), COL_ALIGN)
+
+
 @triton.jit(do_not_specialize=["SPLIT_K"])  # 1 or more within one launch class
 def _lora_expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scales_ptr, offsets_ptr,
@@ -74,17 +96,17 @@ def _lora_expand_kernel(
     stride_ys, stride_ym, stride_bs, stride_bn, stride_om, stride_ss,
     NUM_SLOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    N_TILES: tl.constexpr, ONE_R_BLOCK: tl.constexpr,
+    N_TILES: tl.constexpr, ONE_R_BLOCK: tl.constexpr, RANK_ALIGN: tl.constexpr,
+    COL_ALIGN: tl.constexpr,
 ):  # fmt: skip
     pid_m, part, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, tokens, rmask = segment_rows(
         block_slot_ptr, block_first_ptr, block_rows_ptr, order_ptr, pid_m, BLOCK_M
     )
-    first = tl.load(offsets_ptr + part) + pid_n * (N_TILES * BLOCK_N)
-    n1 = tl.load(offsets_ptr + part + 1)
+    first, n1 = part_columns(offsets_ptr, part, pid_n * (N_TILES * BLOCK_N), COL_ALIGN)
     if (slot >= NUM_SLOTS) | (first >= n1):
         return
-    rank = tl.load(ranks_ptr + slot)
+    rank = read_rank(ranks_ptr, slot, RANK_ALIGN)
     scale = tl.load(scales_ptr + slot * stride_ss + part)
     rs = tl.arange(0, BLOCK_R)
     y_rows = y_ptr + tokens[:, None].to(tl.int64) * stride_ym + part * R
@@ -183,6 +205,8 @@ def lora_expand(
     block_r = min(64, max(16, triton.next_power_of_2(r)))
     grid = (segments.grid_blocks(), p, triton.cdiv(max(parts.sizes), block_n * n_tiles))
     launch = {} if num_stages is None else {"num_stages": num_stages}
+    align = RANK_ALIGN if r % RANK_ALIGN == 0 else 1  # rounding up stays inside B's rows
+    col_align = 16 if all(size % 16 == 0 for size in parts.sizes) else 1
     _lora_expand_kernel[grid](
         y, b, out, ranks, scales, parts.offsets,
         segments.order, segments.block_slot, segments.block_first, segments.block_rows,
@@ -190,7 +214,8 @@ def lora_expand(
         y.stride(0), y.stride(1), b.stride(0), b.stride(1), out.stride(0), scales.stride(0),
         NUM_SLOTS=s, DOT_PRECISION=dot_precision(b.dtype),
         BLOCK_M=segments.block_m, BLOCK_N=block_n, BLOCK_R=block_r, N_TILES=n_tiles,
-        ONE_R_BLOCK=r <= block_r, num_warps=num_warps, **launch,
+        ONE_R_BLOCK=r <= block_r, RANK_ALIGN=align, COL_ALIGN=col_align, num_warps=num_warps,
+        **launch,
     )  # fmt: skip
     return out
 

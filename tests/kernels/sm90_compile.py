@@ -1,7 +1,10 @@
 """Compiles kernels of rollout_kernels for an H100 (sm_90) without a GPU, as Triton does before
 a launch: what the interpreter cannot check (the compiler's own rules, the launch settings'
-shared memory). Run by test_kernels_compile.py in a process without TRITON_INTERPRET; prints
-one line per variant compiled and exits non-zero at the first that does not."""
+shared memory, how wide the loads are). Integer and pointer arguments are taken divisible by
+16, as Triton's launcher specializes them for a real model's shapes. Run by
+test_kernels_compile.py in a process without TRITON_INTERPRET; prints one line per variant
+compiled (with its count of 2-byte global loads and stores: element-by-element access) and
+exits non-zero at the first that does not compile."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import os
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
+
+import re  # noqa: E402
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -33,11 +38,19 @@ def compile_variant(
         return "*i32" if name in int32 else "*fp32" if name in float32 else "*bf16"
 
     signature = {name: arg_type(name) for name in kernel.arg_names}
+    unspecialized = set(getattr(kernel, "do_not_specialize", ())) | set(constexprs)
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if name not in unspecialized and i not in unspecialized
+    }
     compiled = triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=H100,
-        options=options,
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+        target=H100, options=options,
     )  # fmt: skip
-    print(kernel.__name__, constexprs, options, len(compiled.asm["cubin"]), "bytes", flush=True)
+    narrow = len(re.findall(r"(?:ld|st)\.global\.b16", compiled.asm["ptx"]))
+    print(kernel.__name__, constexprs, options, f"narrow={narrow}", len(compiled.asm["cubin"]),
+          "bytes", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -65,7 +78,8 @@ def main() -> None:
         compile_variant(
             lora_expand._lora_expand_kernel,
             {"NUM_SLOTS": 9, "DOT_PRECISION": "tf32", "BLOCK_M": block_m,
-             "BLOCK_N": block_n, "BLOCK_R": 64, "N_TILES": n_tiles, "ONE_R_BLOCK": one_block},
+             "BLOCK_N": block_n, "BLOCK_R": 64, "N_TILES": n_tiles, "ONE_R_BLOCK": one_block,
+             "RANK_ALIGN": lora_expand.RANK_ALIGN, "COL_ALIGN": 16},
             {"num_warps": warps, "num_stages": stages},
             int32={"ranks_ptr", "offsets_ptr"} | segments, float32={"y_ptr", "scales_ptr"},
         )  # fmt: skip

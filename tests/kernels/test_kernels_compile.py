@@ -1,5 +1,6 @@
 """Kernels whose variants the interpreter runs on CPU also compile for an H100 (sm_90): the
-compiler's rules and the launch settings' shared memory are checked without a GPU."""
+compiler's rules, the launch settings' shared memory and the width of the loads are checked
+without a GPU."""
 
 from __future__ import annotations
 
@@ -25,3 +26,7 @@ def test_the_lora_and_skinny_kernels_compile_for_sm90():
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = [line for line in run.stdout.splitlines() if line.endswith("bytes")]
     assert len(compiled) == 7, run.stdout
+    # Every global load and store at least 4 bytes wide: a 2-byte one means a mask or an
+    # address Triton could not prove aligned, and a kernel that reads element by element
+    # (the LoRA expand read B that way until its rank mask was rounded to 16).
+    assert all(" narrow=0 " in line for line in compiled), run.stdout

@@ -13,7 +13,12 @@ import torch
 pytest.importorskip("triton")
 
 from rollout.models.lora_layer import LoraBatch, LoraLayer  # noqa: E402
-from rollout_kernels.lora_expand import OutputParts, lora_expand, lora_expand_reference  # noqa: E402
+from rollout_kernels.lora_expand import (  # noqa: E402
+    RANK_ALIGN,
+    OutputParts,
+    lora_expand,
+    lora_expand_reference,
+)
 from rollout_kernels.lora_segments import LONG_ROWS, lora_segments  # noqa: E402
 from rollout_kernels.lora_shrink import (  # noqa: E402
     DECODE_ROWS,
@@ -39,12 +44,22 @@ def mixed_slots(t: int, seed: int) -> torch.Tensor:
 
 
 def random_weights(parts: int, out: int, dtype, device, seed: int = 0):
-    """A [S, parts x R, K] and B [S, out, R] with garbage past each slot's rank: the kernels
-    must not read it (the references mask it)."""
+    """A [S, parts x R, K] and B [S, out, R] with garbage past each slot's rank (for B, past
+    its rank rounded up to RANK_ALIGN, which the expand reads and LoraLayer keeps zero): the
+    kernels must not read it (the references mask it)."""
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(len(RANKS), parts * R, K, generator=gen) / K**0.5
     b = torch.randn(len(RANKS), out, R, generator=gen) / R**0.5
-    return a.to(device, dtype), b.to(device, dtype)
+    return a.to(device, dtype), zero_past_rank(b, RANKS).to(device, dtype)
+
+
+def zero_past_rank(b: torch.Tensor, ranks) -> torch.Tensor:
+    """B [S, N, R] with each slot's columns from its rank up to the next multiple of
+    RANK_ALIGN zeroed, as LoraLayer's slots hold them (and all past the rank)."""
+    b = b.clone()
+    for s, rank in enumerate(ranks):
+        b[s, :, rank : -(-rank // RANK_ALIGN) * RANK_ALIGN] = 0
+    return b
 
 
 def test_segments_group_each_slots_rows_in_order(device):
@@ -197,7 +212,8 @@ def test_expand_with_ranks_past_one_rank_block_matches_torch(device, n_tiles):
     slots = mixed_slots(rows, seed=13).to(device)
     ranks = torch.tensor([72, 16, 64, 0], dtype=torch.int32, device=device)
     gen = torch.Generator().manual_seed(14)
-    b = (torch.randn(4, n, max_rank, generator=gen) / max_rank**0.5).to(device)
+    b = zero_past_rank(torch.randn(4, n, max_rank, generator=gen) / max_rank**0.5, [72, 16, 64, 0])
+    b = b.to(device)
     y = torch.randn(2, rows, p * max_rank, generator=gen).to(device)
     scales = torch.rand(4, p, generator=gen).to(device)
     out = torch.randn(rows, n, generator=gen).to(device)
@@ -222,7 +238,8 @@ def test_the_engines_settings_for_each_batch_size_match_torch(device, dtype, row
     ranks = torch.tensor(RANKS, dtype=torch.int32, device=device)
     gen = torch.Generator().manual_seed(8)
     a = (torch.randn(len(RANKS), p * R, k, generator=gen) / k**0.5).to(device, dtype)
-    b = (torch.randn(len(RANKS), n, R, generator=gen) / R**0.5).to(device, dtype)
+    b = zero_past_rank(torch.randn(len(RANKS), n, R, generator=gen) / R**0.5, RANKS)
+    b = b.to(device, dtype)
     x = torch.randn(rows, k, generator=gen).to(device, dtype)
     scales = torch.rand(len(RANKS), p, generator=gen).to(device)
     out = torch.randn(rows, n, generator=gen).to(device, dtype)
