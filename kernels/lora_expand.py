@@ -58,11 +58,11 @@ def expand_settings(rows: int) -> ExpandSettings:
     kernels on real models' projections (benchmarks/bench_lora_kernels.py --sweep).
 
     Every column tile of a row block reads that block's y (all its partials) again, so wide
-    tiles pay; a decode batch, one row block per slot, keeps them narrower to have programs
-    enough to stream B. A long prefill (past LONG_ROWS: blocks of 64 rows) has its own; a
+    tiles pay; at up to 16 rows, 4 warps a tile of 256 columns (the sweep after the loads
+    became 16 bytes wide). A long prefill (past LONG_ROWS: blocks of 64 rows) has its own; a
     batch between TUNED_ROWS and LONG_ROWS keeps the untuned launch."""
     if rows <= DECODE_ROWS:
-        return ExpandSettings(block_n=128, num_warps=8)
+        return ExpandSettings(block_n=256, num_warps=4, num_stages=2)
     if rows <= TUNED_ROWS:
         return ExpandSettings(block_n=256, num_warps=8)
     if rows > LONG_ROWS:
