@@ -21,6 +21,7 @@ import torch
 
 from rollout.forward.tensor_parallel import Shard
 from rollout.models.layers import kernel
+from rollout.models.lora_segment_buffers import SegmentBuffers
 
 
 class LoraBatch:
@@ -29,7 +30,9 @@ class LoraBatch:
 
     Buffers for up to `max_tokens` rows are allocated once and rewritten in place, so that a
     CUDA graph captured over them replays any later batch of as many rows; a larger batch
-    (a long prefill, which runs eagerly) gets fresh tensors for its forward.
+    (a long prefill, which runs eagerly) gets fresh tensors for its forward. On the kernels'
+    path the rows and their segments share one buffer, laid out on the host when the slots
+    come from it (SegmentBuffers: one copy a step).
     """
 
     def __init__(
@@ -39,8 +42,12 @@ class LoraBatch:
         self.use_kernels = use_kernels  # the Triton kernels, else torch ops
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)  # [S]
         self.live_slots: tuple[int, ...] = ()  # slots holding an adapter (host copy)
-        self._slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
-        self._segments = None  # LoraSegments over max_tokens rows, once the kernels are used
+        self._buffers = SegmentBuffers(max_tokens, num_slots, device) if use_kernels else None
+        if self._buffers is not None:
+            self._slots = self._buffers.slots
+        else:
+            self._slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self._host_laid_out = False  # whether the host wrote the persistent batch last
         self.slots = self._slots[:0]  # [T]: this forward's rows
         self.segments = None  # this forward's LoraSegments (kernel path)
         self.active = False  # False: no row of this forward uses an adapter; layers skip
@@ -57,9 +64,16 @@ class LoraBatch:
         layers it captures then run for every replay, whatever its rows use."""
         t = token_slots.shape[0]
         persistent = t <= self._slots.shape[0]
+        self.active = active
+        self._host_laid_out = False
+        if persistent and self._buffers is not None and token_slots.device.type == "cpu":
+            self._buffers.write(token_slots.numpy())
+            self._host_laid_out = True
+            self.slots, self.segments = self._slots[:t], self._buffers.segments(t)
+            return
         slots = self._slots[:t] if persistent else self._slots.new_empty(t)
         slots.copy_(token_slots, non_blocking=True)
-        self.slots, self.active = slots, active
+        self.slots = slots
         if self.use_kernels:
             self.segments = self._build_segments(slots, persistent)
 
@@ -75,11 +89,15 @@ class LoraBatch:
                 f"pad_to({rows}) needs a batch prepared in the persistent buffers of "
                 f"{self._slots.shape[0]} rows with at most {rows} rows; it has {t}"
             )
-        self._slots[t:rows].fill_(-1)
         self.slots = self._slots[:rows]
         self.active = True
-        if self.use_kernels:
-            self.segments = self._segments.padded(t, rows)
+        if self._host_laid_out:
+            self._buffers.pad(rows)
+            self.segments = self._buffers.segments(rows)
+            return
+        self._slots[t:rows].fill_(-1)
+        if self.use_kernels:  # a batch prepared from device slots: padded on the device
+            self.segments = self._buffers.segments(self.max_tokens).padded(t, rows)
 
     def prepare_requests(self, req_slots: Sequence[int], extend_lens: Sequence[int]) -> None:
         """The same from per-request slots and new-token counts (host lists, in batch order)."""
@@ -89,14 +107,11 @@ class LoraBatch:
         self.prepare(rows, any(s >= 0 for s in req_slots))
 
     def _build_segments(self, slots: torch.Tensor, persistent: bool):
+        """The segments of device (or long) slots with the device ops of lora_segments."""
         segments_module = kernel("lora_segments")
         if not persistent:
             return segments_module.lora_segments(slots, self.num_slots)
-        if self._segments is None:  # a decode batch's blocks, whatever max_tokens is
-            self._segments = segments_module.lora_segments(
-                self._slots, self.num_slots, segments_module.BLOCK_M
-            )
-        views = self._segments.rows(slots.shape[0])
+        views = self._buffers.segments(slots.shape[0])
         return segments_module.lora_segments(slots, self.num_slots, out=views)
 
 
