@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from rollout.forward.tensor_parallel import Shard
@@ -101,10 +102,8 @@ class LoraBatch:
 
     def prepare_requests(self, req_slots: Sequence[int], extend_lens: Sequence[int]) -> None:
         """The same from per-request slots and new-token counts (host lists, in batch order)."""
-        rows = torch.tensor(req_slots, dtype=torch.int32).repeat_interleave(
-            torch.tensor(extend_lens, dtype=torch.int64)
-        )
-        self.prepare(rows, any(s >= 0 for s in req_slots))
+        rows = np.repeat(np.asarray(req_slots, dtype=np.int32), np.asarray(extend_lens))
+        self.prepare(torch.from_numpy(rows), any(s >= 0 for s in req_slots))
 
     def _build_segments(self, slots: torch.Tensor, persistent: bool):
         """The segments of device (or long) slots with the device ops of lora_segments."""
