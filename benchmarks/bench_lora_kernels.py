@@ -10,7 +10,8 @@ kernels' defaults: shrink_settings and expand_settings for the row count, named 
 each alone, and, with --sweep, the fastest shrink of SHRINK_SETTINGS (split_k None:
 choose_split_k's, uncapped) beside the engine's expand, the fastest expand of EXPAND_SETTINGS
 beside the engine's shrink, and the two fastest together, with their largest difference from
-the engine's settings' result. One JSON line per group and row count.
+the engine's settings' result (with --all-settings also every setting's time, to pick one
+setting for all groups of a row count). One JSON line per group and row count.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--max-rank", type=int, default=64)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--all-settings", action="store_true",
+        help="with --sweep, every setting's time (to pick one setting for all groups of a row count)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.manual_seed(0)
     for name, sizes, k in groups(REAL_CONFIGS[args.model]):
@@ -68,6 +73,11 @@ def main() -> None:
             row = {"model": args.model, "group": name, "rows": rows, "adapters": args.adapters}
             row.update(bench_group(sizes, k, rows, args))
             print(json.dumps(row), flush=True)
+
+
+def setting_key(setting: dict) -> str:
+    """A swept setting as text ("engine" for the engine's own), e.g. "block_n=64,num_warps=4"."""
+    return ",".join(f"{k}={v}" for k, v in setting.items()) or "engine"
 
 
 def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -> dict:
@@ -112,6 +122,8 @@ def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -
         return row
     out.copy_(start)
     want = both({}, {}).float() - start.float()  # the delta the engine's settings add
+    timings: dict[str, float] = {}  # every setting swept: "shrink|expand" -> µs
+
     def fastest(pairs):
         best = None
         for shrink, expand in pairs:
@@ -119,6 +131,7 @@ def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -
                 t = us(lambda sh=shrink, ex=expand: both(sh, ex))
             except Exception:  # noqa: BLE001 - a setting that does not fit the device is skipped
                 continue
+            timings[f"{setting_key(shrink)}|{setting_key(expand)}"] = t
             if best is None or t < best[0]:
                 best = (t, shrink, expand)
         return best
@@ -137,6 +150,8 @@ def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -
         "best_expand": expand, "best_expand_us": by_expand[0],
         "best_us": us(lambda: both(shrink, expand)), "max_diff": round(err, 4),
     })  # fmt: skip
+    if args.all_settings:
+        row["sweep_us"] = timings
     return row
 
 
