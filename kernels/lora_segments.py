@@ -5,8 +5,8 @@ moving rows, the kernels read them through `order`, the row indices sorted by sl
 each program BLOCK_M rows of one slot: slot s owns order[seg_start[s] : seg_start[s] +
 seg_len[s]] and blocks block_end[s] - cdiv(seg_len[s], BLOCK_M) .. block_end[s] - 1 of the
 grid. Base-only rows sort last and get no block. Every tensor here has a size fixed by the
-number of rows and of slots, and is built by device ops alone: no host sync, so it can be made
-inside or outside a CUDA graph, into buffers a captured graph reads.
+number of rows and of slots, so a CUDA graph captured over persistent ones replays any later
+batch of as many rows written into them.
 
 A grid of cdiv(T, BLOCK_M) + min(S, T) - 1 blocks always covers every slot's blocks: at most
 min(S, T) slots have rows, and the blocks of k slots with rows number at most cdiv(T, BLOCK_M)
@@ -64,25 +64,20 @@ class LoraSegments:
         return grid_blocks(self.num_tokens, self.num_slots, self.block_m)
 
     def rows(self, t: int) -> LoraSegments:
-        """Views of these (persistent) tensors for a batch of t rows: what `lora_segments(...,
-        out=...)` writes a batch of t rows into, and what a CUDA graph of t rows reads."""
+        """Views of these (persistent) tensors for a batch of t rows: what a batch of t rows
+        is written into, and what a CUDA graph of t rows reads."""
         g = grid_blocks(t, self.num_slots, self.block_m)
         return LoraSegments(
             self.order[:t], self.seg_start, self.seg_len, self.block_end, self.block_slot[:g],
             self.block_first[:g], self.block_rows[:g], self.block_m,
         )  # fmt: skip
 
-    def padded(self, t: int, rows: int) -> LoraSegments:
-        """The views for `rows` rows of persistent tensors that hold a batch of t rows, its
-        rows t .. rows - 1 base-only padding (in row order, read by no block): the layout
-        that rows - t more rows of -1 would give the batch."""
-        self.order[t:rows].copy_(torch.arange(t, rows, dtype=torch.int32, device=self.order.device))
-        g_t = grid_blocks(t, self.num_slots, self.block_m)
-        padded = self.rows(rows)
-        padded.block_slot[g_t:].fill_(self.num_slots)
-        padded.block_first[g_t:].zero_()
-        padded.block_rows[g_t:].zero_()
-        return padded
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The seven tensors, in field order (as `host_layout` returns their values)."""
+        return (
+            self.order, self.seg_start, self.seg_len, self.block_end, self.block_slot,
+            self.block_first, self.block_rows,
+        )  # fmt: skip
 
 
 def grid_blocks(t: int, num_slots: int, block_m: int) -> int:
@@ -90,19 +85,13 @@ def grid_blocks(t: int, num_slots: int, block_m: int) -> int:
     return triton.cdiv(t, block_m) + min(num_slots, t) - 1 if t else 0
 
 
-def lora_segments(
-    slots: torch.Tensor,
-    num_slots: int,
-    block_m: int | None = None,
-    out: LoraSegments | None = None,
-) -> LoraSegments:
+def lora_segments(slots: torch.Tensor, num_slots: int, block_m: int | None = None) -> LoraSegments:
     """slots: [T] int, each row's adapter slot in [0, num_slots), anything else (-1) for a
-    base-only row. Returns the layout in blocks of `block_m` rows (None: out's, else
-    block_m_for(T)), written into `out`'s tensors when given (their shapes must be [T] and
-    [num_slots]: persistent buffers that a CUDA graph reads)."""
+    base-only row. Returns the layout in blocks of `block_m` rows (None: block_m_for(T)), built
+    with device ops. (The engine lays its batches out on the host and copies them once:
+    rollout/models/lora_segment_buffers.py; this is that layout's reference.)"""
     t = slots.shape[0]
-    if block_m is None:
-        block_m = out.block_m if out is not None else block_m_for(t)
+    block_m = block_m_for(t) if block_m is None else block_m
     key = slots.long()
     key = torch.where((key < 0) | (key >= num_slots), num_slots, key)
     order = torch.argsort(key, stable=True)
@@ -111,40 +100,19 @@ def lora_segments(
     counts.scatter_add_(0, key, torch.ones_like(key))
     seg_len = counts[:num_slots]
     seg_start = torch.cumsum(seg_len, 0) - seg_len
-    block_end = torch.cumsum((seg_len + block_m - 1) // block_m, 0)
-    g = grid_blocks(t, num_slots, block_m)
-    if out is None:
-        out = LoraSegments(
-            torch.empty(t, dtype=torch.int32, device=slots.device),
-            *(torch.empty(num_slots, dtype=torch.int32, device=slots.device) for _ in range(3)),
-            *(torch.empty(g, dtype=torch.int32, device=slots.device) for _ in range(3)),
-            block_m=block_m,
-        )
-    if (
-        out.num_tokens != t
-        or out.num_slots != num_slots
-        or out.block_m != block_m
-        or out.block_slot.shape[0] != g
-    ):
-        raise ValueError(
-            f"lora_segments: out holds {out.num_tokens} rows, {out.num_slots} slots, "
-            f"{out.block_slot.shape[0]} blocks of {out.block_m}; this batch needs {t}, "
-            f"{num_slots} and {g} of {block_m}"
-        )
-    out.order.copy_(order)
-    out.seg_start.copy_(seg_start)
-    out.seg_len.copy_(seg_len)
-    out.block_end.copy_(block_end)
+    per_slot = (seg_len + block_m - 1) // block_m
+    block_end = torch.cumsum(per_slot, 0)
     # Block b belongs to the first slot whose blocks end past it (num_slots: none does).
-    blocks = torch.arange(g, dtype=torch.int64, device=slots.device)
+    blocks = torch.arange(grid_blocks(t, num_slots, block_m), device=slots.device)
     slot = torch.searchsorted(block_end, blocks, right=True)
     safe = slot.clamp(max=num_slots - 1)
-    local = blocks - (block_end - (seg_len + block_m - 1) // block_m)[safe]  # block within slot
+    local = blocks - (block_end - per_slot)[safe]  # the block's index within its slot
     rows = (seg_len[safe] - local * block_m).clamp(0, block_m)
-    out.block_slot.copy_(slot)
-    out.block_first.copy_(seg_start[safe] + local * block_m)
-    out.block_rows.copy_(torch.where(slot < num_slots, rows, 0))
-    return out
+    values = (
+        order, seg_start, seg_len, block_end, slot, seg_start[safe] + local * block_m,
+        torch.where(slot < num_slots, rows, 0),
+    )  # fmt: skip
+    return LoraSegments(*(v.to(torch.int32) for v in values), block_m=block_m)
 
 
 @triton.jit

@@ -85,7 +85,7 @@ class CudaGraphRunner:
                 f"CUDA graph's batch ({n})"
             )
         # Captured base-only: a graph runs the LoRA layers for any later mix of adapters.
-        self.no_adapters = torch.full((n,), -1, dtype=torch.int32, device=device)
+        self.no_adapters = torch.full((n,), -1, dtype=torch.int32)  # on the host, as a step's
         # Static inputs: every graph reads its first rows. Zeros are valid padding everywhere
         # (token 0, position 0, KV slot 0).
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)

@@ -110,6 +110,6 @@ def _phases(
     # takes runs the all-reduce and the norm's own kernel apart: one prefill that long.
     if runner.kernel_plan.allreduce_fusion:
         long = FUSED_MAX_TOKENS + 1
-        limit = min(room, options.scheduler.chunked_prefill_size, runner.num_slots // 2)
-        if long <= min(limit, options.scheduler.max_prefill_tokens):
+        sched = options.scheduler
+        if long <= min(room, sched.chunked_prefill_size, sched.max_prefill_tokens, runner.num_slots // 2):
             yield [request([(11 + 17 * i) % vocab for i in range(long)])]  # nothing of it cached

@@ -31,24 +31,25 @@ class LoraBatch:
 
     Buffers for up to `max_tokens` rows are allocated once and rewritten in place, so that a
     CUDA graph captured over them replays any later batch of as many rows; a larger batch
-    (a long prefill, which runs eagerly) gets fresh tensors for its forward. On the kernels'
-    path the rows and their segments share one buffer, laid out on the host when the slots
-    come from it (SegmentBuffers: one copy a step).
+    (a long prefill, which runs eagerly) gets fresh ones for its forward. On the kernels' path
+    the rows and their segments share one buffer, laid out on the host and copied once a step
+    (SegmentBuffers).
     """
 
     def __init__(
         self, num_slots: int, max_tokens: int, device: torch.device | str, use_kernels: bool
     ) -> None:
         self.num_slots = num_slots
+        self.device = torch.device(device)
         self.use_kernels = use_kernels  # the Triton kernels, else torch ops
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)  # [S]
         self.live_slots: tuple[int, ...] = ()  # slots holding an adapter (host copy)
-        self._buffers = SegmentBuffers(max_tokens, num_slots, device) if use_kernels else None
-        if self._buffers is not None:
+        if use_kernels:  # a decode batch's blocks, whatever max_tokens is
+            block_m = kernel("lora_segments").BLOCK_M
+            self._buffers = SegmentBuffers(max_tokens, num_slots, device, block_m)
             self._slots = self._buffers.slots
         else:
             self._slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
-        self._host_laid_out = False  # whether the host wrote the persistent batch last
         self.slots = self._slots[:0]  # [T]: this forward's rows
         self.segments = None  # this forward's LoraSegments (kernel path)
         self.active = False  # False: no row of this forward uses an adapter; layers skip
@@ -59,24 +60,24 @@ class LoraBatch:
         return self._slots.shape[0]
 
     def prepare(self, token_slots: torch.Tensor, active: bool = True) -> None:
-        """token_slots: [T] int, the slot of each row of the next forward (-1 base only), on
-        any device. With `active` False the layers add nothing (the runner knows, on the host,
-        that no row uses an adapter). A CUDA graph must be captured with `active` True: the
-        layers it captures then run for every replay, whatever its rows use."""
+        """token_slots: [T] int, the slot of each row of the next forward (-1 base only), read
+        on the host (a device tensor is copied there first). With `active` False the layers
+        add nothing (the runner knows, on the host, that no row uses an adapter). A CUDA graph
+        must be captured with `active` True: the layers it captures then run for every replay,
+        whatever its rows use."""
         t = token_slots.shape[0]
-        persistent = t <= self._slots.shape[0]
+        persistent = t <= self.max_tokens
         self.active = active
-        self._host_laid_out = False
-        if persistent and self._buffers is not None and token_slots.device.type == "cpu":
-            self._buffers.write(token_slots.numpy())
-            self._host_laid_out = True
-            self.slots, self.segments = self._slots[:t], self._buffers.segments(t)
+        if not self.use_kernels:
+            slots = self._slots[:t] if persistent else self._slots.new_empty(t)
+            self.slots = slots.copy_(token_slots, non_blocking=True)
             return
-        slots = self._slots[:t] if persistent else self._slots.new_empty(t)
-        slots.copy_(token_slots, non_blocking=True)
-        self.slots = slots
-        if self.use_kernels:
-            self.segments = self._build_segments(slots, persistent)
+        buffers = self._buffers
+        if not persistent:
+            block_m = kernel("lora_segments").block_m_for(t)
+            buffers = SegmentBuffers(t, self.num_slots, self.device, block_m)
+        buffers.write(token_slots.cpu().numpy())
+        self.slots, self.segments = buffers.slots[:t], buffers.segments(t)
 
     def pad_to(self, rows: int) -> None:
         """Extends the prepared batch of T rows to `rows` (T <= rows <= max_tokens) with
@@ -85,33 +86,23 @@ class LoraBatch:
         replays it; the padding rows' outputs are discarded, and they add no delta."""
         t = self.slots.shape[0]
         persistent = self.slots.data_ptr() == self._slots.data_ptr()
-        if not (persistent and t <= rows <= self._slots.shape[0]):
+        if not (persistent and t <= rows <= self.max_tokens):
             raise ValueError(
                 f"pad_to({rows}) needs a batch prepared in the persistent buffers of "
-                f"{self._slots.shape[0]} rows with at most {rows} rows; it has {t}"
+                f"{self.max_tokens} rows with at most {rows} rows; it has {t}"
             )
         self.slots = self._slots[:rows]
         self.active = True
-        if self._host_laid_out:
+        if self.use_kernels:
             self._buffers.pad(rows)
             self.segments = self._buffers.segments(rows)
-            return
-        self._slots[t:rows].fill_(-1)
-        if self.use_kernels:  # a batch prepared from device slots: padded on the device
-            self.segments = self._buffers.segments(self.max_tokens).padded(t, rows)
+        else:
+            self._slots[t:rows].fill_(-1)
 
     def prepare_requests(self, req_slots: Sequence[int], extend_lens: Sequence[int]) -> None:
         """The same from per-request slots and new-token counts (host lists, in batch order)."""
         rows = np.repeat(np.asarray(req_slots, dtype=np.int32), np.asarray(extend_lens))
         self.prepare(torch.from_numpy(rows), any(s >= 0 for s in req_slots))
-
-    def _build_segments(self, slots: torch.Tensor, persistent: bool):
-        """The segments of device (or long) slots with the device ops of lora_segments."""
-        segments_module = kernel("lora_segments")
-        if not persistent:
-            return segments_module.lora_segments(slots, self.num_slots)
-        views = self._buffers.segments(slots.shape[0])
-        return segments_module.lora_segments(slots, self.num_slots, out=views)
 
 
 class LoraLayer:

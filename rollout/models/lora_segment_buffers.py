@@ -38,60 +38,54 @@ def host_layout(slots: np.ndarray, num_slots: int, block_m: int, blocks: int) ->
 
 class SegmentBuffers:
     """Slots and segments of up to `max_tokens` rows over `num_slots` adapter slots, in blocks
-    of the decode batch's size (rollout_kernels.lora_segments.BLOCK_M)."""
+    of `block_m` rows: one int32 buffer on the device and its host mirror, written from the
+    host (`write`, `pad`) and copied whole."""
 
-    def __init__(self, max_tokens: int, num_slots: int, device: torch.device | str) -> None:
+    def __init__(
+        self, max_tokens: int, num_slots: int, device: torch.device | str, block_m: int
+    ) -> None:
         segments = kernel("lora_segments")
-        self.block_m = segments.BLOCK_M
-        self.num_slots, self.max_tokens = num_slots, max_tokens
-        g = segments.grid_blocks(max_tokens, num_slots, self.block_m)
+        self.num_slots, self.block_m = num_slots, block_m
+        g = segments.grid_blocks(max_tokens, num_slots, block_m)
         sizes = [max_tokens, max_tokens, num_slots, num_slots, num_slots, g, g, g]
         self.device = torch.full((sum(sizes),), -1, dtype=torch.int32, device=device)
         self.host = torch.full((sum(sizes),), -1, dtype=torch.int32)
-        self._dev_parts = torch.split(self.device, sizes)
-        self._host_parts = [part.numpy() for part in torch.split(self.host, sizes)]
-        self.rows = 0  # rows of the last batch the host wrote (the device holds it after copy)
-
-    @property
-    def slots(self) -> torch.Tensor:
-        """[max_tokens] device view: each row's slot (-1 base only)."""
-        return self._dev_parts[0]
+        dev, host = torch.split(self.device, sizes), torch.split(self.host, sizes)
+        self.slots = dev[0]  # [max_tokens]: each row's slot (-1 base only)
+        self._host_slots = host[0].numpy()
+        self._device_segments = segments.LoraSegments(*dev[1:], block_m=block_m)
+        self._host_segments = segments.LoraSegments(*host[1:], block_m=block_m)
+        self.num_rows = 0  # rows of the batch last written (padding included)
 
     def segments(self, t: int):
         """LoraSegments views of the device buffer for a batch of t rows."""
-        full = kernel("lora_segments").LoraSegments(*self._dev_parts[1:], block_m=self.block_m)
-        return full.rows(t)
+        return self._device_segments.rows(t)
 
     def write(self, token_slots: np.ndarray) -> None:
         """Lays out a batch of these slots (host ints, at most max_tokens) on the host and
         copies the buffer to the device (stream-ordered: a step still running reads what it
         was given)."""
         t = len(token_slots)
-        g = kernel("lora_segments").grid_blocks(t, self.num_slots, self.block_m)
-        host = self._host_parts
-        host[0][:t] = token_slots
-        layout = host_layout(host[0][:t], self.num_slots, self.block_m, g)
-        host[1][:t] = layout[0]
-        for part, values in zip(host[2:5], layout[1:4]):
-            part[:] = values
-        for part, values in zip(host[5:], layout[4:]):
-            part[:g] = values
-        self.rows = t
+        self._host_slots[:t] = token_slots
+        views = self._host_segments.rows(t)
+        layout = host_layout(self._host_slots[:t], self.num_slots, self.block_m, views.grid_blocks())
+        for view, values in zip(views.tensors(), layout):
+            view.numpy()[:] = values
+        self.num_rows = t
         self._copy()
 
     def pad(self, rows: int) -> None:
         """Extends the last batch written (t rows) to `rows` with base-only padding rows: the
         layout a batch of those t rows and rows - t rows of -1 would have."""
-        t = self.rows
-        grid = kernel("lora_segments").grid_blocks
-        g_t, g = grid(t, self.num_slots, self.block_m), grid(rows, self.num_slots, self.block_m)
-        host = self._host_parts
-        host[0][t:rows] = -1
-        host[1][t:rows] = np.arange(t, rows)  # base-only rows sort last, in row order
-        host[5][g_t:g] = self.num_slots  # blocks past the last slot's: empty
-        host[6][g_t:g] = 0
-        host[7][g_t:g] = 0
-        self.rows = rows
+        t = self.num_rows
+        g_t = self._host_segments.rows(t).grid_blocks()
+        padded = self._host_segments.rows(rows)
+        self._host_slots[t:rows] = -1
+        padded.order[t:rows] = torch.arange(t, rows)  # base-only rows sort last, in row order
+        padded.block_slot[g_t:] = self.num_slots  # blocks past the last slot's: empty
+        padded.block_first[g_t:] = 0
+        padded.block_rows[g_t:] = 0
+        self.num_rows = rows
         self._copy()
 
     def _copy(self) -> None:

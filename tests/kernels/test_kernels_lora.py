@@ -94,27 +94,6 @@ def test_each_blocks_table_entry_names_rows_of_its_slot_and_covers_them_once(dev
     assert seg.block_rows[seg.block_end[-1].item() :].eq(0).all()  # past the last slot: empty
 
 
-def test_a_padded_batch_in_persistent_buffers_keeps_no_block_of_an_earlier_batch(device):
-    # The persistent tensors held a batch of 64 rows (every block full); a batch of 3 rows
-    # padded to 64 must read its 3 rows and nothing else.
-    full = lora_segments(torch.arange(64, device=device) % 4, num_slots=4, block_m=16)
-    slots = torch.tensor([2, -1, 0], device=device)
-    lora_segments(slots, 4, out=full.rows(3))
-    padded = full.padded(3, 64)
-    assert padded.num_tokens == 64 and padded.grid_blocks() == full.grid_blocks()
-    assert padded.block_rows.sum().item() == 2
-    ranks = torch.tensor(RANKS, dtype=torch.int32, device=device)
-    _, b = random_weights(1, 24, torch.float32, device)
-    y = torch.randn(1, 64, R, device=device)
-    out = torch.randn(64, 24, device=device)
-    scales = torch.ones(4, 1, device=device)
-    got = lora_expand(y, b, out.clone(), padded, ranks, scales, OutputParts.make([24], device))
-    all_slots = torch.cat([slots, torch.full((61,), -1, device=device)])
-    want = lora_expand_reference(y[0], b, out, all_slots, scales, [24], ranks)
-    torch.testing.assert_close(got, want)
-    assert torch.equal(got[3:], out[3:])
-
-
 def test_the_grid_covers_every_slots_blocks_and_no_more_than_its_rows_need(device):
     # The grid is fixed by the rows and slots alone (a CUDA graph replays it): it must cover
     # the worst layout of those rows over the slots, and a decode row must not pay for the
