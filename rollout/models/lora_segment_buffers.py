@@ -17,6 +17,8 @@ import torch
 
 from rollout.models.layers import kernel
 
+ALIGN_INTS = 4  # int32s in 16 bytes
+
 
 def host_layout(slots: np.ndarray, num_slots: int, block_m: int, blocks: int) -> list[np.ndarray]:
     """What lora_segments computes on the device, for host slots: order, seg_start, seg_len,
@@ -48,9 +50,15 @@ class SegmentBuffers:
         self.num_slots, self.block_m = num_slots, block_m
         g = segments.grid_blocks(max_tokens, num_slots, block_m)
         sizes = [max_tokens, max_tokens, num_slots, num_slots, num_slots, g, g, g]
-        self.device = torch.full((sum(sizes),), -1, dtype=torch.int32, device=device)
-        self.host = torch.full((sum(sizes),), -1, dtype=torch.int32)
-        dev, host = torch.split(self.device, sizes), torch.split(self.host, sizes)
+        # NOTE: every part starts at a multiple of 16 bytes into the buffer: Triton
+        # specializes a pointer argument on that alignment, and a part whose start moved with
+        # max_tokens would compile a second variant for a buffer of another size (a long
+        # prefill's) than the warm-up's.
+        spans = [-(-size // ALIGN_INTS) * ALIGN_INTS for size in sizes]
+        self.device = torch.full((sum(spans),), -1, dtype=torch.int32, device=device)
+        self.host = torch.full((sum(spans),), -1, dtype=torch.int32)
+        dev = [part[:size] for part, size in zip(torch.split(self.device, spans), sizes)]
+        host = [part[:size] for part, size in zip(torch.split(self.host, spans), sizes)]
         self.slots = dev[0]  # [max_tokens]: each row's slot (-1 base only)
         self._host_slots = host[0].numpy()
         self._device_segments = segments.LoraSegments(*dev[1:], block_m=block_m)

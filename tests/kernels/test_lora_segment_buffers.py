@@ -97,3 +97,14 @@ def test_a_lora_batch_from_host_slots_pads_in_its_persistent_buffers(device):
     assert_same(batch.segments, want)
     with pytest.raises(ValueError, match="pad_to\\(2\\)"):
         batch.pad_to(2)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 17, 1025, 1520])
+@pytest.mark.parametrize("num_slots", [2, 3, 9])
+def test_every_view_starts_16_bytes_aligned_whatever_the_buffer_size(device, max_tokens, num_slots):
+    # Triton specializes pointer arguments on 16-byte alignment: a view whose start moved with
+    # the buffer's size would make a long prefill's own buffer compile kernel variants the
+    # warm-up (on the persistent buffer) never built.
+    buffers = SegmentBuffers(max_tokens, num_slots, device, BLOCK_M)
+    views = [buffers.slots, *buffers.segments(max_tokens).tensors()]
+    assert all(view.data_ptr() % 16 == 0 for view in views)
