@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default=kernels.attention_backend)
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--disable-pdl", action="store_true", help="no programmatic dependent launch")
     parser.add_argument("--skinny-gemm-max-rows", type=int, default=kernels.skinny_gemm_max_rows)
     parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
@@ -114,6 +115,7 @@ def main() -> None:
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
         "disable_cuda_graph": args.disable_cuda_graph,
+        "disable_pdl": args.disable_pdl,
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
         "kv_cache_dtype": args.kv_cache_dtype,
         "triton_decode_max_batch": args.triton_decode_max_batch,
@@ -152,6 +154,7 @@ def main() -> None:
         "output_len": args.output_len,
         "attention_backend": args.attention_backend,
         "cuda_graph": not args.disable_cuda_graph,
+        "pdl": info["kernel_plan"]["programmatic_launch"],
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
         "triton_decode_max_batch": args.triton_decode_max_batch,
         "kv_cache_dtype": info["kv_cache_dtype"],

@@ -80,6 +80,13 @@ def fixed_prompts(num: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, min(vocab, 10000), (num, length), generator=gen).tolist()
 
 
+def compiled_between(before: dict, after: dict) -> dict[str, int]:
+    """Triton kernel variants compiled between two get_server_info answers, by kernel."""
+    was = before.get("kernel_compiles_by_kernel", {})
+    now = after.get("kernel_compiles_by_kernel", {})
+    return {name: n - was.get(name, 0) for name, n in now.items() if n > was.get(name, 0)}
+
+
 def timed_generate(engine: RolloutEngine, prompts, max_new: int, lora=None) -> float:
     params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     start = time.perf_counter()
@@ -110,7 +117,10 @@ def emit(**fields) -> None:
 def run(args: argparse.Namespace, model_path: str, config) -> None:
     prompts = fixed_prompts(args.num_seqs, args.len, config.vocab_size)
     total = args.num_seqs * args.len
-    common = dict(dtype=args.dtype, device=args.device, max_total_tokens=args.max_total_tokens)
+    common = dict(
+        dtype=args.dtype, device=args.device, max_total_tokens=args.max_total_tokens,
+        disable_pdl=args.disable_pdl,
+    )
     if args.model in REAL_CONFIGS:
         common["load_format"] = "dummy"  # random weights: speed does not depend on them
 
@@ -133,10 +143,14 @@ def run(args: argparse.Namespace, model_path: str, config) -> None:
     try:
         names = [f"a{i % args.adapters}" for i in range(args.num_seqs)]
         timed_generate(engine, prompts[:4], 8, names[:4])
+        before = engine.get_server_info()
         lora_s = timed_generate(engine, prompts, args.len, names)
+        info = engine.get_server_info()
+        again_s = timed_generate(engine, prompts, args.len, names)  # prefix cache hits: decode
         emit(bench="lora_batch", num_seqs=args.num_seqs, len=args.len, ranks=ranks,
              base_tok_per_s=round(total / base_s, 1), lora_tok_per_s=round(total / lora_s, 1),
-             ratio=round(base_s / lora_s, 3), kernel_plan=engine.get_server_info().get("kernel_plan"))
+             ratio=round(base_s / lora_s, 3), again_tok_per_s=round(total / again_s, 1),
+             compiled_in_run=compiled_between(before, info), kernel_plan=info.get("kernel_plan"))
         lora_prefill = prefill_seconds(engine, prompts, names)
         emit(bench="lora_prefill", tokens=total, base_s=round(base_prefill, 4),
              lora_s=round(lora_prefill, 4), ratio=round(base_prefill / lora_prefill, 3))
@@ -172,6 +186,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-total-tokens", type=int, default=65536)
+    parser.add_argument("--disable-pdl", action="store_true", help="no programmatic dependent launch")
     args = parser.parse_args()
     model_path = args.model
     if model_path in REAL_CONFIGS:

@@ -7,14 +7,17 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.pdl import launch_options, pdl_start
+
 
 @triton.jit
 def _merge_kernel(
     part_ptr, lse_ptr, out_ptr,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     NUM_PARTS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     parts = tl.arange(0, BLOCK_S)
@@ -63,5 +66,5 @@ def merge_attention_parts(parts: torch.Tensor, lse: torch.Tensor, out: torch.Ten
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_PARTS=s, HEAD_DIM=d,
-        BLOCK_S=triton.next_power_of_2(s), BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_S=triton.next_power_of_2(s), BLOCK_D=triton.next_power_of_2(d), **launch_options(out),
     )

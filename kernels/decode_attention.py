@@ -17,6 +17,7 @@ import triton.language as tl
 from rollout_kernels.attention_merge import merge_attention_parts
 from rollout_kernels.kv_store import from_cache_dtype
 from rollout_kernels.paged_inputs import check_paged_inputs
+from rollout_kernels.pdl import launch_options, pdl_start
 from rollout_kernels.precision import dot_precision
 
 # One bf16 tile of keys per piece. A short request at a small batch then still spreads over
@@ -38,8 +39,9 @@ def _decode_split_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_KEYS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -148,7 +150,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=dim, DOT_PRECISION=dot_precision(q.dtype), NUM_SPLITS=num_splits,
         MIN_KEYS=MIN_KEYS_PER_SPLIT,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     merge_attention_parts(parts, lse, out)
     return out

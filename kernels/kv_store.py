@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.pdl import launch_options, pdl_start
+
 
 @triton.jit
 def to_cache_dtype(x, cache_ptr):
@@ -35,8 +37,9 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ct, stride_ch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     # One program per new token: all its heads, K and V.
     t = tl.program_id(0)
     slot = tl.load(loc_ptr + t).to(tl.int64)
@@ -77,4 +80,5 @@ def store_kv(
         k_cache.stride(0), k_cache.stride(1),
         NUM_HEADS=heads, HEAD_DIM=dim,
         BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim),
+        **launch_options(k),
     )

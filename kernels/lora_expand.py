@@ -22,6 +22,7 @@ import triton.language as tl
 
 from rollout_kernels.lora_segments import LONG_ROWS, LoraSegments, segment_rows
 from rollout_kernels.lora_shrink import DECODE_ROWS, TUNED_ROWS
+from rollout_kernels.pdl import launch_options, pdl_start
 from rollout_kernels.precision import dot_precision
 
 RANK_ALIGN = 16  # ranks read in steps of this many columns (where R is a multiple of it)
@@ -97,8 +98,9 @@ def _lora_expand_kernel(
     NUM_SLOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     N_TILES: tl.constexpr, ONE_R_BLOCK: tl.constexpr, RANK_ALIGN: tl.constexpr,
-    COL_ALIGN: tl.constexpr,
+    COL_ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(USE_PDL)
     pid_m, part, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, tokens, rmask = segment_rows(
         block_slot_ptr, block_first_ptr, block_rows_ptr, order_ptr, pid_m, BLOCK_M
@@ -215,7 +217,7 @@ def lora_expand(
         NUM_SLOTS=s, DOT_PRECISION=dot_precision(b.dtype),
         BLOCK_M=segments.block_m, BLOCK_N=block_n, BLOCK_R=block_r, N_TILES=n_tiles,
         ONE_R_BLOCK=r <= block_r, RANK_ALIGN=align, COL_ALIGN=col_align, num_warps=num_warps,
-        **launch,
+        **launch, **launch_options(out),
     )  # fmt: skip
     return out
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from rollout_kernels.lora_segments import LONG_ROWS, LoraSegments, segment_rows
+from rollout_kernels.pdl import launch_options, pdl_start
 from rollout_kernels.precision import dot_precision
 
 # Enough programs to keep a GPU's memory busy for one small shrink; split_k aims at this.
@@ -73,8 +74,9 @@ def _lora_shrink_kernel(
     N, K, R, K_PER_SPLIT,
     stride_xm, stride_as, stride_an, stride_ys, stride_ym,
     NUM_SLOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(USE_PDL)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, tokens, rmask = segment_rows(
         block_slot_ptr, block_first_ptr, block_rows_ptr, order_ptr, pid_m, BLOCK_M
@@ -172,6 +174,7 @@ def lora_shrink(
         x.stride(0), a.stride(0), a.stride(1), y.stride(0), y.stride(1),
         NUM_SLOTS=s, DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=segments.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **launch_options(x),
     )  # fmt: skip
     return y
 

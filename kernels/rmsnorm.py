@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.pdl import launch_options, pdl_start
+
 
 @triton.jit
 def weighted_norm(x, inv_rms, w, dtype):
@@ -24,7 +26,9 @@ def _rmsnorm_kernel(
     stride_x, stride_xh, stride_r, stride_o, stride_ro,
     eps,
     DIM: tl.constexpr, HEADS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     # Row r of the output is x[r // HEADS, r % HEADS]: a [T, H, D] input (q or k heads inside
     # the fused qkv output) is read in place, without first copying it to contiguous rows.
     row = tl.program_id(0).to(tl.int64)
@@ -80,7 +84,7 @@ def rms_norm(
             x2.stride(0), stride_xh, res2.stride(0), out.stride(0), res_out.stride(0),
             eps,
             DIM=dim, HEADS=heads, HAS_RESIDUAL=residual is not None,
-            BLOCK_D=triton.next_power_of_2(dim),
+            BLOCK_D=triton.next_power_of_2(dim), **launch_options(x2),
         )
     if residual is None:
         return out.view(x.shape)

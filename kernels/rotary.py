@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from rollout_kernels.kv_store import to_cache_dtype
+from rollout_kernels.pdl import launch_options, pdl_start
 from rollout_kernels.rmsnorm import weighted_norm
 
 
@@ -53,7 +54,9 @@ def _rotary_kernel(
     Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr,
     NORM: tl.constexpr, STORE: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     # One program per token: cos/sin are loaded once and shared by all its q and k heads.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
@@ -133,5 +136,5 @@ def apply_rotary_inplace(
         Q_HEADS=q.shape[1], K_HEADS=k.shape[1], HALF=dim // 2,
         NORM=norm is not None, STORE=store is not None,
         BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-        BLOCK_HALF=triton.next_power_of_2(dim // 2),
+        BLOCK_HALF=triton.next_power_of_2(dim // 2), **launch_options(q),
     )

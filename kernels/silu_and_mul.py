@@ -6,12 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.pdl import launch_options, pdl_start
+
 
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o,
-    WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < WIDTH
@@ -37,6 +40,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(width))
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(width, block))](
-            x2, out, x2.stride(0), out.stride(0), WIDTH=width, BLOCK=block
+            x2, out, x2.stride(0), out.stride(0), WIDTH=width, BLOCK=block, **launch_options(x2)
         )
     return out.view(*x.shape[:-1], width)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout_kernels.pdl import launch_options, pdl_start
 from rollout_kernels.precision import dot_precision
 
 MAX_ROWS = 16  # x rows one launch takes; more rows are a job for a real GEMM
@@ -25,7 +26,9 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,6 +94,6 @@ def skinny_gemm(
         m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(x),
     )
     return y

@@ -90,6 +90,12 @@ class KernelOptions:
         "batches) run the skinny GEMM kernel of kernels/ instead of torch's GEMM; 0: never",
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
+    disable_pdl: bool = _opt(
+        False,
+        "launch the Triton kernels one after another's end instead of with programmatic "
+        "dependent launch (on Hopper and later GPUs, each kernel otherwise starts while the one "
+        "before it ends: rollout_kernels.pdl)",
+    )
     cuda_graph_max_bs: int = _opt(
         256, "largest decode batch replayed from a CUDA graph (capped by max_running_requests)"
     )

@@ -201,7 +201,7 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
         "cuda_graphs": True, "cuda_graph_max_bs": 256, "sampling_kernel": True,
         "sampling_kernel_min_rows": 32, "deterministic_inference": False,
         "sampling_per_filter_set": False, "logprob_kernel": True,
-        "allreduce_fusion": False,
+        "allreduce_fusion": False, "programmatic_launch": False,
     }  # fmt: skip
     assert str(plan) == (
         "attention flashinfer, decode triton up to batch 32, fused kernels on, skinny GEMM up to "
@@ -309,7 +309,7 @@ def test_options_validate_backend_and_graph_size():
     routing = [f.name for f in dataclasses.fields(KernelOptions)]
     assert routing == [
         "attention_backend", "decode_attention_backend", "triton_decode_max_batch",
-        "skinny_gemm_max_rows", "disable_cuda_graph", "cuda_graph_max_bs",
+        "skinny_gemm_max_rows", "disable_cuda_graph", "disable_pdl", "cuda_graph_max_bs",
         "enable_deterministic_inference", "enable_flashinfer_allreduce_fusion",
     ]  # fmt: skip
     assert set(routing) <= set(flat) and len(flat) == len(set(flat))
@@ -454,3 +454,17 @@ def test_graph_rows_hold_the_batch_then_padding_at_fixed_addresses():
     assert again.tolist() == [3, 0, 0, 0] and again.data_ptr() == seq_lens.data_ptr()
     with pytest.raises(ValueError, match="exceeds max_batch_size 4"):
         rows.fill(5, None)
+
+
+def test_kernels_launch_with_pdl_on_hopper_gpus_unless_disabled(packages, monkeypatch):
+    packages("flashinfer", "triton")
+    from rollout.forward import kernel_plan
+
+    monkeypatch.setattr(kernel_plan, "gpu_capability", lambda device: (9, 0))
+    plan = plan_for(CUDA, torch.bfloat16)
+    assert plan.programmatic_launch and str(plan).endswith(", programmatic dependent launch")
+    assert not plan_for(CUDA, torch.bfloat16, disable_pdl=True).programmatic_launch
+    assert not plan_for(CUDA, torch.bfloat16, attention_backend="torch").programmatic_launch
+    assert not plan_for(CPU, torch.float32).programmatic_launch
+    monkeypatch.setattr(kernel_plan, "gpu_capability", lambda device: (8, 0))  # an A100
+    assert not plan_for(CUDA, torch.bfloat16).programmatic_launch

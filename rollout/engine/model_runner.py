@@ -29,7 +29,7 @@ from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout.forward.kernel_plan import resolve_kernel_plan
 from rollout.forward.kv_pool import KVPool, ReqToTokenPool, check_kv_dtype_runs, kv_cache_dtype
 from rollout.forward.tensor_parallel import SINGLE, TPGroup
-from rollout.models.layers import use_fused_kernels
+from rollout.models.layers import kernel, use_fused_kernels
 from rollout.models.loader import load_model, resolve_dtype
 
 CPU_DEFAULT_TOKENS = 4096
@@ -101,8 +101,9 @@ class ModelRunner:
         if options.lora.enable_lora:
             use_kernels = self.device.type == "cuda"
             self.lora = LoraManager(self.model, options.lora, use_kernels)
-            self.lora.slots.compile_kernels()
         self._init_attention(options, num_kv_heads, head_dim)
+        if self.lora is not None:  # launched as the plan launches them (programmatic or not)
+            self.lora.slots.compile_kernels()
         # The heads turn a step's final hidden states into its outputs.
         self.sampling_head = SamplingHead(eos_token_ids, self.last_token, self.kernel_plan)
         self.logprob_head = LogprobHead(self.device, read_once=self.kernel_plan.logprob_kernel)
@@ -132,6 +133,8 @@ class ModelRunner:
             self.model, plan.fused_kernels, plan.skinny_gemm_max_rows, plan.skinny_gemm_min_weight,
             batch_invariant=plan.deterministic_inference,
         )
+        if plan.fused_kernels:
+            kernel("pdl").set_enabled(plan.programmatic_launch)
         if plan.allreduce_fusion:  # every rank together, before the graphs capture the kernel
             all_reduce = AllReduceNorm.flashinfer(self.tp, self.hf_config.hidden_size, self.dtype)
             self.model.model.defer_all_reduces(all_reduce)

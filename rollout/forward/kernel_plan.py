@@ -66,6 +66,9 @@ class KernelPlan:
     # Tensor parallelism: each row-parallel projection's all-reduce fused with the residual add
     # and the norm after it (enable_flashinfer_allreduce_fusion; forward/all_reduce_norm.py).
     allreduce_fusion: bool = False
+    # The Triton kernels launched with programmatic dependent launch (rollout_kernels.pdl):
+    # on a GPU of compute capability 9.0 or later unless disable_pdl.
+    programmatic_launch: bool = False
 
     @property
     def decode_attention(self) -> DecodeChoice:
@@ -91,6 +94,7 @@ class KernelPlan:
             f"{fused}, skinny GEMM {skinny}, CUDA graphs {graphs}, sampling {sampling}"
             + (", deterministic inference" if self.deterministic_inference else "")
             + (", all-reduce fused with the norms" if self.allreduce_fusion else "")
+            + (", programmatic dependent launch" if self.programmatic_launch else "")
         )
 
 
@@ -133,7 +137,21 @@ def resolve_kernel_plan(
         sampling_kernel_min_rows=SAMPLING_KERNEL_MIN_ROWS,
         logprob_kernel=fused and device.type == "cuda",
         allreduce_fusion=_allreduce_fusion(options, device, dtype),
+        programmatic_launch=fused and _pdl_supported(options, device),
     )
+
+
+def _pdl_supported(options: EngineOptions, device: torch.device) -> bool:
+    if options.kernels.disable_pdl or device.type != "cuda":
+        return False
+    return gpu_capability(device) >= (9, 0)
+
+
+def gpu_capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability of `device`; (0, 0) where no GPU is present."""
+    if not torch.cuda.is_available():
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
 
 
 def _graph_max_bs(options: EngineOptions) -> int:

@@ -48,27 +48,33 @@ def compile_variant(
         ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
         target=H100, options=options,
     )  # fmt: skip
-    narrow = len(re.findall(r"(?:ld|st)\.global\.b16", compiled.asm["ptx"]))
-    print(kernel.__name__, constexprs, options, f"narrow={narrow}", len(compiled.asm["cubin"]),
-          "bytes", flush=True)  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    narrow = len(re.findall(r"(?:ld|st)\.global\.b16", ptx))
+    pdl = len(re.findall(r"griddepcontrol\.(?:wait|launch_dependents)", ptx))
+    print(kernel.__name__, constexprs, options, f"narrow={narrow} pdl={pdl}",
+          len(compiled.asm["cubin"]), "bytes", flush=True)  # fmt: skip
 
 
 def main() -> None:
-    compile_variant(
-        skinny_gemm._skinny_gemm_kernel,
-        {"HAS_BIAS": True, "DOT_PRECISION": "tf32", "BLOCK_M": skinny_gemm.MAX_ROWS,
-         "BLOCK_N": 32, "BLOCK_K": 512},
-        {"num_warps": 4, "num_stages": 5},
-        int32=set(), float32=set(),
-    )  # fmt: skip
+    # Every variant as the engine launches it on an H100: with programmatic dependent launch
+    # (rollout_kernels.pdl); the skinny GEMM also without it.
+    pdl = {"launch_pdl": True}
+    for use_pdl in (True, False):
+        compile_variant(
+            skinny_gemm._skinny_gemm_kernel,
+            {"HAS_BIAS": True, "DOT_PRECISION": "tf32", "BLOCK_M": skinny_gemm.MAX_ROWS,
+             "BLOCK_N": 32, "BLOCK_K": 512, "USE_PDL": use_pdl},
+            {"num_warps": 4, "num_stages": 5, "launch_pdl": use_pdl},
+            int32=set(), float32=set(),
+        )  # fmt: skip
     segments = {"order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr"}
     # A decode batch's blocks of 16 rows and a long prefill's of 64 (block_m_for).
     for block_m, block_n, block_k in ((16, 16, 256), (LONG_BLOCK_M, 64, 256)):
         compile_variant(
             lora_shrink._lora_shrink_kernel,
             {"NUM_SLOTS": 9, "DOT_PRECISION": "tf32", "BLOCK_M": block_m,
-             "BLOCK_N": block_n, "BLOCK_K": block_k},
-            {"num_warps": 4, "num_stages": 3},
+             "BLOCK_N": block_n, "BLOCK_K": block_k, "USE_PDL": True},
+            {"num_warps": 4, "num_stages": 3, **pdl},
             int32={"ranks_ptr"} | segments, float32={"y_ptr"},
         )  # fmt: skip
     for block_m, block_n, warps, one_block, n_tiles, stages in (
@@ -79,8 +85,8 @@ def main() -> None:
             lora_expand._lora_expand_kernel,
             {"NUM_SLOTS": 9, "DOT_PRECISION": "tf32", "BLOCK_M": block_m,
              "BLOCK_N": block_n, "BLOCK_R": 64, "N_TILES": n_tiles, "ONE_R_BLOCK": one_block,
-             "RANK_ALIGN": lora_expand.RANK_ALIGN, "COL_ALIGN": 16},
-            {"num_warps": warps, "num_stages": stages},
+             "RANK_ALIGN": lora_expand.RANK_ALIGN, "COL_ALIGN": 16, "USE_PDL": True},
+            {"num_warps": warps, "num_stages": stages, **pdl},
             int32={"ranks_ptr", "offsets_ptr"} | segments, float32={"y_ptr", "scales_ptr"},
         )  # fmt: skip
 

@@ -25,7 +25,10 @@ def test_the_lora_and_skinny_kernels_compile_for_sm90():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = [line for line in run.stdout.splitlines() if line.endswith("bytes")]
-    assert len(compiled) == 7, run.stdout
+    assert len(compiled) == 8, run.stdout
+    # Launched with PDL, each waits for the kernel before it and lets the next one start.
+    with_pdl, without = compiled[:1] + compiled[2:], compiled[1]
+    assert all(" pdl=2 " in line for line in with_pdl) and " pdl=0 " in without, run.stdout
     # Every global load and store at least 4 bytes wide: a 2-byte one means a mask or an
     # address Triton could not prove aligned, and a kernel that reads element by element
     # (the LoRA expand read B that way until its rank mask was rounded to 16).
