@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
+from benchmarks.bench_offline import step_times  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402
 from rollout.models.lora_adapter import CONFIG_FILE, LORA_MODULES, WEIGHTS_FILE  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
@@ -127,7 +128,11 @@ def run(args: argparse.Namespace, model_path: str, config) -> None:
     base = RolloutEngine(model_path, **common)
     try:
         timed_generate(base, prompts[:4], 8)
+        base_before = base.get_server_info()
         base_s = timed_generate(base, prompts, args.len)
+        base_steps = step_times(
+            base_before["device_busy_by_step"], base.get_server_info()["device_busy_by_step"]
+        )
         base_prefill = prefill_seconds(base, prompts)
         base_step = step_seconds(base, prompts[0], args.len)
     finally:
@@ -147,10 +152,14 @@ def run(args: argparse.Namespace, model_path: str, config) -> None:
         lora_s = timed_generate(engine, prompts, args.len, names)
         info = engine.get_server_info()
         again_s = timed_generate(engine, prompts, args.len, names)  # prefix cache hits: decode
+        lora_steps = step_times(before["device_busy_by_step"], info["device_busy_by_step"])
         emit(bench="lora_batch", num_seqs=args.num_seqs, len=args.len, ranks=ranks,
              base_tok_per_s=round(total / base_s, 1), lora_tok_per_s=round(total / lora_s, 1),
              ratio=round(base_s / lora_s, 3), again_tok_per_s=round(total / again_s, 1),
              compiled_in_run=compiled_between(before, info), kernel_plan=info.get("kernel_plan"))
+        # Device time a step by kind in the two timed runs: LoRA's extra time per step next to
+        # its wall time tells the kernels' share from the host's.
+        emit(bench="lora_batch_steps", base=base_steps, lora=lora_steps)
         lora_prefill = prefill_seconds(engine, prompts, names)
         emit(bench="lora_prefill", tokens=total, base_s=round(base_prefill, 4),
              lora_s=round(lora_prefill, 4), ratio=round(base_prefill / lora_prefill, 3))

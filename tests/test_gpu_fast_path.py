@@ -153,7 +153,10 @@ def test_captured_graph_survives_release_and_resume():
 def test_release_and_resume_keep_decode_graphs_on_both_kernels(tmp_path):
     # The default bf16 engine replays decode graphs of Triton's kernel (up to 32 rows) and
     # FlashInfer's (above): after giving its memory back and taking it again, both still give
-    # the tokens they gave before.
+    # the tokens they gave before, up to a near tie. (The requests reach the scheduler one by
+    # one, so two runs may batch them differently, and bf16 rounding then differs as between a
+    # graph and an eager step: on the H100 exact equality failed in two runs of three, with and
+    # without PDL.)
     pytest.importorskip("torch_memory_saver")
     if not package_imports("flashinfer"):
         pytest.skip("needs flashinfer")
@@ -161,12 +164,13 @@ def test_release_and_resume_keep_decode_graphs_on_both_kernels(tmp_path):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 800) for _ in range(rng.randint(3, 60))] for _ in range(40)]
     params = [{"temperature": 0, "ignore_eos": True, "max_new_tokens": 2 + i % 12} for i in range(40)]
+    logprobs = {"return_logprob": True, "top_logprobs_num": 2}
     with RolloutEngine(path, dtype="bfloat16", device="cuda", enable_weights_cpu_backup=True) as engine:
-        before = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        before = engine.generate(input_ids=prompts, sampling_params=params, **logprobs)
         engine.release_memory_occupation()
         engine.resume_memory_occupation()
-        after = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
-    assert after == before
+        after = engine.generate(input_ids=prompts, sampling_params=params, **logprobs)
+    _assert_same_greedy(after, before, GRAPH_TOL, GRAPH_TIE)
 
 
 def test_fp8_kv_cache_on_the_gpu_backends_matches_the_torch_backend(tmp_path):
