@@ -11,7 +11,9 @@ each alone, and, with --sweep, the fastest shrink of SHRINK_SETTINGS (split_k No
 choose_split_k's, uncapped) beside the engine's expand, the fastest expand of EXPAND_SETTINGS
 beside the engine's shrink, and the two fastest together, with their largest difference from
 the engine's settings' result (with --all-settings also every setting's time, to pick one
-setting for all groups of a row count). One JSON line per group and row count.
+setting for all groups of a row count). One JSON line per group and row count. By default each
+call reads the same A and B, which stay in L2; with --cold-l2-mib the calls take turns over
+copies of them, read from HBM as in an engine's step.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def main() -> None:
         "--all-settings", action="store_true",
         help="with --sweep, every setting's time (to pick one setting for all groups of a row count)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cold-l2-mib", type=int, default=0,
+        help="cycle each call through copies of A and B of at least this many MiB in all, so that "
+        "they come from HBM as in a decode step, where the layers' weights pass between them "
+        "(an H100's L2 holds 50 MB: 256 is enough); 0: the same A and B every call, L2-resident",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.manual_seed(0)
     for name, sizes, k in groups(REAL_CONFIGS[args.model]):
@@ -97,14 +105,21 @@ def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -
     x = torch.randn(rows, k, dtype=dtype, device=dev)
     start = torch.randn(rows, n, dtype=dtype, device=dev)
     out = start.clone()  # added to by every timed call; reset before each comparison
+    copies = -(-args.cold_l2_mib * 2**20 // (a.nbytes + b.nbytes))
+    weights = [(a, b)] + [(a.clone(), b.clone()) for _ in range(copies - 1)]
+    turn = itertools.count()  # each call (each captured one too) takes the next copy
+
+    def next_weights() -> tuple[torch.Tensor, torch.Tensor]:
+        return weights[next(turn) % len(weights)]
 
     def both(shrink: dict, expand: dict) -> torch.Tensor:
         if shrink.get("split_k", 0) is None:  # the sweep's None: choose_split_k's, uncapped
             # bf16 and K past block_k: lora_shrink would pass choose_split_k these same blocks
             auto = choose_split_k(segments, p * r, k, shrink["block_n"], shrink["block_k"])
             shrink = {**shrink, "split_k": auto}
-        y = lora_shrink(x, a, segments, ranks, r, **shrink)
-        return lora_expand(y, b, out, segments, ranks, scales, parts, **expand)
+        a_, b_ = next_weights()
+        y = lora_shrink(x, a_, segments, ranks, r, **shrink)
+        return lora_expand(y, b_, out, segments, ranks, scales, parts, **expand)
 
     def us(fn) -> float:
         return round(time_ms(fn, calls=20, replays=5) * 1000, 1)
@@ -114,9 +129,12 @@ def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -
         "engine_shrink": dataclasses.asdict(shrink_settings(rows)),
         "engine_expand": dataclasses.asdict(expand_settings(rows)),
         "engine_us": us(lambda: both({}, {})),
-        "shrink_us": us(lambda: lora_shrink(x, a, segments, ranks, r)),
-        "expand_us": us(lambda: lora_expand(y, b, out, segments, ranks, scales, parts)),
+        "shrink_us": us(lambda: lora_shrink(x, next_weights()[0], segments, ranks, r)),
+        "expand_us": us(
+            lambda: lora_expand(y, next_weights()[1], out, segments, ranks, scales, parts)
+        ),
         "split_k": y.shape[0],
+        "weight_copies": len(weights),
     }
     if not args.sweep:
         return row
