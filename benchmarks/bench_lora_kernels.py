@@ -125,6 +125,10 @@ def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -
         return round(time_ms(fn, calls=20, replays=5) * 1000, 1)
 
     y = lora_shrink(x, a, segments, ranks, r)
+    # The adapter bytes the two kernels must read: A's and B's rows within the rank of each
+    # slot that has rows (the buffers hold max_rank; the kernels skip what is past a rank).
+    used = sorted(set(slots.tolist()))
+    need = sum(int(ranks[u]) * (p * k + n) * a.element_size() for u in used)
     row = {
         "engine_shrink": dataclasses.asdict(shrink_settings(rows)),
         "engine_expand": dataclasses.asdict(expand_settings(rows)),
@@ -135,7 +139,9 @@ def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -
         ),
         "split_k": y.shape[0],
         "weight_copies": len(weights),
+        "adapter_mb": round(need / 1e6, 2),
     }
+    row["adapter_tb_per_s"] = round(need / row["engine_us"] / 1e6, 3)  # those bytes / the time
     if not args.sweep:
         return row
     out.copy_(start)
