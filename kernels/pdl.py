@@ -41,9 +41,10 @@ def supported(device_index: int) -> bool:
 def launch_options(t: torch.Tensor) -> dict[str, bool]:
     """The launch keywords of a kernel whose `USE_PDL` constexpr guards `pdl_start`, for a launch
     on t's device: with PDL where the switch is on and the device supports it."""
-    if _enabled and t.is_cuda and supported(t.device.index or torch.cuda.current_device()):
-        return {"USE_PDL": True, "launch_pdl": True}
-    return {"USE_PDL": False}
+    if not (_enabled and t.is_cuda):
+        return {"USE_PDL": False}
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return {"USE_PDL": True, "launch_pdl": True} if supported(index) else {"USE_PDL": False}
 
 
 @triton.jit
