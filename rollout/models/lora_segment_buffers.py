@@ -64,6 +64,7 @@ class SegmentBuffers:
         self._device_segments = segments.LoraSegments(*dev[1:], block_m=block_m)
         self._host_segments = segments.LoraSegments(*host[1:], block_m=block_m)
         self.num_rows = 0  # rows of the batch last written (padding included)
+        self._views: dict[int, tuple[np.ndarray, ...]] = {}  # rows -> _host_views(rows)
 
     def segments(self, t: int):
         """LoraSegments views of the device buffer for a batch of t rows."""
@@ -75,10 +76,10 @@ class SegmentBuffers:
         was given)."""
         t = len(token_slots)
         self._host_slots[:t] = token_slots
-        views = self._host_segments.rows(t)
-        layout = host_layout(self._host_slots[:t], self.num_slots, self.block_m, views.grid_blocks())
-        for view, values in zip(views.tensors(), layout):
-            view.numpy()[:] = values
+        views = self._host_views(t)
+        layout = host_layout(self._host_slots[:t], self.num_slots, self.block_m, len(views[-1]))
+        for view, values in zip(views, layout):
+            view[:] = values
         self.num_rows = t
         self._copy()
 
@@ -86,15 +87,23 @@ class SegmentBuffers:
         """Extends the last batch written (t rows) to `rows` with base-only padding rows: the
         layout a batch of those t rows and rows - t rows of -1 would have."""
         t = self.num_rows
-        g_t = self._host_segments.rows(t).grid_blocks()
-        padded = self._host_segments.rows(rows)
+        g_t = len(self._host_views(t)[-1])
+        order, _, _, _, block_slot, block_first, block_rows = self._host_views(rows)
         self._host_slots[t:rows] = -1
-        padded.order[t:rows] = torch.arange(t, rows)  # base-only rows sort last, in row order
-        padded.block_slot[g_t:] = self.num_slots  # blocks past the last slot's: empty
-        padded.block_first[g_t:] = 0
-        padded.block_rows[g_t:] = 0
+        order[t:rows] = np.arange(t, rows)  # base-only rows sort last, in row order
+        block_slot[g_t:] = self.num_slots  # blocks past the last slot's: empty
+        block_first[g_t:] = 0
+        block_rows[g_t:] = 0
         self.num_rows = rows
         self._copy()
+
+    def _host_views(self, t: int) -> tuple[np.ndarray, ...]:
+        """Numpy views of the host mirror's seven segment tensors for a batch of t rows (in
+        LoraSegments' field order), made once per t: a step's layout then runs no torch op."""
+        views = self._views.get(t)
+        if views is None:
+            views = self._views[t] = tuple(v.numpy() for v in self._host_segments.rows(t).tensors())
+        return views
 
     def _copy(self) -> None:
         # NOTE: from pageable memory, CUDA stages the source before the call returns: the
