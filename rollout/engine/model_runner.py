@@ -133,7 +133,7 @@ class ModelRunner:
             self.model, plan.fused_kernels, plan.skinny_gemm_max_rows, plan.skinny_gemm_min_weight,
             batch_invariant=plan.deterministic_inference,
         )
-        if plan.fused_kernels:
+        if plan.fused_kernels or self.device.type == "cuda":  # LoRA's kernels run on any plan
             kernel("pdl").set_enabled(plan.programmatic_launch)
         if plan.allreduce_fusion:  # every rank together, before the graphs capture the kernel
             all_reduce = AllReduceNorm.flashinfer(self.tp, self.hf_config.hidden_size, self.dtype)
