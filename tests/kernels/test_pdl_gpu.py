@@ -42,7 +42,7 @@ def test_a_graph_of_dependent_pdl_kernels_equals_the_same_graph_without_pdl():
             x = skinny_gemm(silu_and_mul(skinny_gemm(h, gate_up)), down)
         return x + residual
 
-    results = {}
+    results, was = {}, pdl._enabled
     try:
         for flag in (False, True):
             pdl.set_enabled(flag)
@@ -58,7 +58,7 @@ def test_a_graph_of_dependent_pdl_kernels_equals_the_same_graph_without_pdl():
                 replays.append(out.clone())
             results[flag] = (torch.stack(replays), forward(inputs[-1]))  # and one eager run
     finally:
-        pdl.set_enabled(True)
+        pdl.set_enabled(was)
     assert torch.equal(results[True][0], results[False][0])
     assert torch.equal(results[True][1], results[False][1])
     assert torch.equal(results[True][0][-1], results[True][1])

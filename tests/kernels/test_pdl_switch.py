@@ -20,12 +20,15 @@ def gpu_tensor(index: int = 0):
 
 @pytest.fixture
 def restore_switch():
+    # An engine started earlier in this process set the switch from its plan (off on a CPU).
+    was = pdl._enabled
     yield
-    pdl.set_enabled(True)
+    pdl.set_enabled(was)
 
 
 def test_gpu_launches_use_pdl_only_while_the_switch_is_on(monkeypatch, restore_switch):
     monkeypatch.setattr(pdl, "supported", lambda index: index == 0)  # GPU 0 a Hopper, GPU 1 not
+    pdl.set_enabled(True)
     assert pdl.launch_options(gpu_tensor(0)) == {"USE_PDL": True, "launch_pdl": True}
     assert pdl.launch_options(gpu_tensor(1)) == {"USE_PDL": False}
     pdl.set_enabled(False)
