@@ -58,13 +58,12 @@ class SegmentBuffers:
         self.device = torch.full((sum(spans),), -1, dtype=torch.int32, device=device)
         self.host = torch.full((sum(spans),), -1, dtype=torch.int32)
         dev = [part[:size] for part, size in zip(torch.split(self.device, spans), sizes)]
-        host = [part[:size] for part, size in zip(torch.split(self.host, spans), sizes)]
+        host = [part[:size].numpy() for part, size in zip(torch.split(self.host, spans), sizes)]
         self.slots = dev[0]  # [max_tokens]: each row's slot (-1 base only)
-        self._host_slots = host[0].numpy()
+        self._host_slots, self._host_parts = host[0], host[1:]
         self._device_segments = segments.LoraSegments(*dev[1:], block_m=block_m)
-        self._host_segments = segments.LoraSegments(*host[1:], block_m=block_m)
+        self._grid_blocks = segments.grid_blocks
         self.num_rows = 0  # rows of the batch last written (padding included)
-        self._views: dict[int, tuple[np.ndarray, ...]] = {}  # rows -> _host_views(rows)
 
     def segments(self, t: int):
         """LoraSegments views of the device buffer for a batch of t rows."""
@@ -76,9 +75,8 @@ class SegmentBuffers:
         was given)."""
         t = len(token_slots)
         self._host_slots[:t] = token_slots
-        views = self._host_views(t)
-        layout = host_layout(self._host_slots[:t], self.num_slots, self.block_m, len(views[-1]))
-        for view, values in zip(views, layout):
+        layout = host_layout(self._host_slots[:t], self.num_slots, self.block_m, self._blocks(t))
+        for view, values in zip(self._host_views(t), layout):
             view[:] = values
         self.num_rows = t
         self._copy()
@@ -87,7 +85,7 @@ class SegmentBuffers:
         """Extends the last batch written (t rows) to `rows` with base-only padding rows: the
         layout a batch of those t rows and rows - t rows of -1 would have."""
         t = self.num_rows
-        g_t = len(self._host_views(t)[-1])
+        g_t = self._blocks(t)
         order, _, _, _, block_slot, block_first, block_rows = self._host_views(rows)
         self._host_slots[t:rows] = -1
         order[t:rows] = np.arange(t, rows)  # base-only rows sort last, in row order
@@ -97,13 +95,16 @@ class SegmentBuffers:
         self.num_rows = rows
         self._copy()
 
+    def _blocks(self, t: int) -> int:
+        return self._grid_blocks(t, self.num_slots, self.block_m)
+
     def _host_views(self, t: int) -> tuple[np.ndarray, ...]:
-        """Numpy views of the host mirror's seven segment tensors for a batch of t rows (in
-        LoraSegments' field order), made once per t: a step's layout then runs no torch op."""
-        views = self._views.get(t)
-        if views is None:
-            views = self._views[t] = tuple(v.numpy() for v in self._host_segments.rows(t).tensors())
-        return views
+        """The host mirror's seven segment parts for a batch of t rows, in LoraSegments' field
+        order (numpy views, as LoraSegments.rows slices the device ones): a step's layout runs
+        no torch op."""
+        order, seg_start, seg_len, block_end, *tables = self._host_parts
+        g = self._blocks(t)
+        return (order[:t], seg_start, seg_len, block_end, *(table[:g] for table in tables))
 
     def _copy(self) -> None:
         # NOTE: from pageable memory, CUDA stages the source before the call returns: the
