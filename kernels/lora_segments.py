@@ -82,7 +82,9 @@ class LoraSegments:
 
 def grid_blocks(t: int, num_slots: int, block_m: int) -> int:
     """Program blocks along the rows that cover the rows of t tokens over num_slots slots."""
-    return triton.cdiv(t, block_m) + min(num_slots, t) - 1 if t else 0
+    # NOTE: plain ints: triton.cdiv costs ~1.5 us a call from the host, and this runs on
+    # every step's host path (SegmentBuffers) several times.
+    return -(-t // block_m) + min(num_slots, t) - 1 if t else 0
 
 
 def lora_segments(slots: torch.Tensor, num_slots: int, block_m: int | None = None) -> LoraSegments:
