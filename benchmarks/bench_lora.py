@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
-from benchmarks.bench_offline import step_times  # noqa: E402
+from benchmarks.bench_offline import compiled_between, step_times  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402
 from rollout.models.lora_adapter import CONFIG_FILE, LORA_MODULES, WEIGHTS_FILE  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
@@ -79,13 +79,6 @@ def write_adapter(config, rank: int, seed: int, directory: str) -> str:
 def fixed_prompts(num: int, length: int, vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
     return torch.randint(0, min(vocab, 10000), (num, length), generator=gen).tolist()
-
-
-def compiled_between(before: dict, after: dict) -> dict[str, int]:
-    """Triton kernel variants compiled between two get_server_info answers, by kernel."""
-    was = before.get("kernel_compiles_by_kernel", {})
-    now = after.get("kernel_compiles_by_kernel", {})
-    return {name: n - was.get(name, 0) for name, n in now.items() if n > was.get(name, 0)}
 
 
 def timed_generate(engine: RolloutEngine, prompts, max_new: int, lora=None) -> float:

@@ -127,8 +127,7 @@ def bench_group(sizes: list[int], k: int, rows: int, args: argparse.Namespace) -
     y = lora_shrink(x, a, segments, ranks, r)
     # The adapter bytes the two kernels must read: A's and B's rows within the rank of each
     # slot that has rows (the buffers hold max_rank; the kernels skip what is past a rank).
-    used = sorted(set(slots.tolist()))
-    need = sum(int(ranks[u]) * (p * k + n) * a.element_size() for u in used)
+    need = sum(int(ranks[u]) * (p * k + n) * a.element_size() for u in set(slots.tolist()))
     row = {
         "engine_shrink": dataclasses.asdict(shrink_settings(rows)),
         "engine_expand": dataclasses.asdict(expand_settings(rows)),

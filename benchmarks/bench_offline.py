@@ -269,14 +269,17 @@ def timed_run(engine: RolloutEngine, prompts: list[list[int]], params: list[dict
     if args.poll_ms:
         poller.join()
     info = engine.get_server_info()
-    compiled = {
-        name: n - before.get("kernel_compiles_by_kernel", {}).get(name, 0)
-        for name, n in info.get("kernel_compiles_by_kernel", {}).items()
-    }
-    compiled = {name: n for name, n in compiled.items() if n}
+    compiled = compiled_between(before, info)
     steps = step_times(before.get("device_busy_by_step", {}), info.get("device_busy_by_step", {}))
     extra = {"polls": polls[0], "compiled": compiled, "steps": steps}
     return outs, seconds, info["device_busy_s"] - busy, {**info, **extra}
+
+
+def compiled_between(before: dict, after: dict) -> dict[str, int]:
+    """Triton kernel variants compiled between two get_server_info answers, by kernel."""
+    was = before.get("kernel_compiles_by_kernel", {})
+    now = after.get("kernel_compiles_by_kernel", {})
+    return {name: n - was.get(name, 0) for name, n in now.items() if n > was.get(name, 0)}
 
 
 def step_times(before: dict, after: dict) -> dict:
