@@ -136,7 +136,9 @@ class ModelRunner:
         if plan.fused_kernels or self.device.type == "cuda":  # LoRA's kernels run on any plan
             kernel("pdl").set_enabled(plan.programmatic_launch)
         if plan.allreduce_fusion:  # every rank together, before the graphs capture the kernel
-            all_reduce = AllReduceNorm.flashinfer(self.tp, self.hf_config.hidden_size, self.dtype)
+            all_reduce = AllReduceNorm.flashinfer(
+                self.tp, self.hf_config.hidden_size, self.dtype, plan.programmatic_launch
+            )
             self.model.model.defer_all_reduces(all_reduce)
         self.graph_runner: CudaGraphRunner | None = None
         if plan.cuda_graphs:

@@ -28,13 +28,18 @@ FUSED_MAX_TOKENS = 2048
 
 
 class AllReduceNorm:
-    def __init__(self, tp: TPGroup, workspace: object | None = None) -> None:
-        """workspace: FlashInfer's all-reduce fusion workspace for this rank (None: unfused)."""
+    def __init__(self, tp: TPGroup, workspace: object | None = None, pdl: bool = False) -> None:
+        """workspace: FlashInfer's all-reduce fusion workspace for this rank (None: unfused);
+        pdl: launch the fused kernel with programmatic dependent launch (rollout_kernels.pdl),
+        as the plan launches the Triton kernels around it."""
         self.tp = tp
         self.workspace = workspace
+        self.pdl = pdl
 
     @classmethod
-    def flashinfer(cls, tp: TPGroup, hidden: int, dtype: torch.dtype) -> AllReduceNorm:
+    def flashinfer(
+        cls, tp: TPGroup, hidden: int, dtype: torch.dtype, pdl: bool = False
+    ) -> AllReduceNorm:
         """With FlashInfer's fused kernel: every rank of `tp` must call this together (the
         ranks exchange their buffers' IPC handles), on its GPU, before any CUDA graph capture."""
         from flashinfer.comm import create_allreduce_fusion_workspace
@@ -43,7 +48,7 @@ class AllReduceNorm:
             backend="trtllm", world_size=tp.size, rank=tp.rank, max_token_num=FUSED_MAX_TOKENS,
             hidden_dim=hidden, dtype=dtype, group=tp.group,
         )  # fmt: skip
-        return cls(tp, workspace)
+        return cls(tp, workspace, pdl)
 
     @property
     def fused(self) -> bool:
@@ -61,7 +66,7 @@ class AllReduceNorm:
         out, summed = torch.empty_like(x), torch.empty_like(x)
         allreduce_fusion(
             input=x.contiguous(), workspace=self.workspace,
-            pattern=AllReduceFusionPattern.kARResidualRMSNorm, launch_with_pdl=False,
+            pattern=AllReduceFusionPattern.kARResidualRMSNorm, launch_with_pdl=self.pdl,
             residual_out=summed, norm_out=out, residual_in=residual.contiguous(),
             rms_gamma=norm.weight, rms_eps=norm.eps, fp32_acc=True,
         )  # fmt: skip
