@@ -89,6 +89,22 @@ def part_columns(offsets_ptr, part, offset, COL_ALIGN: tl.constexpr):
     return first, tl.multiple_of(tl.load(offsets_ptr + part + 1), COL_ALIGN)
 
 
+@triton.jit
+def sum_partials(ptrs, stride_ys, SPLIT_K, mask):
+    """The float32 sum of the SPLIT_K partials at ptrs + split * stride_ys: four loads issued
+    before their sum, so that a program waits on one memory latency per four partials, not on
+    each one after the other (a long-K shrink splits K 30 ways and more)."""
+    y = tl.zeros(ptrs.shape, tl.float32)
+    for s0 in range(0, SPLIT_K, 4):
+        left = SPLIT_K - s0 + tl.zeros(mask.shape, tl.int32)  # partials from s0 on
+        p0 = tl.load(ptrs + s0 * stride_ys, mask=mask, other=0.0)
+        p1 = tl.load(ptrs + (s0 + 1) * stride_ys, mask=mask & (left > 1), other=0.0)
+        p2 = tl.load(ptrs + (s0 + 2) * stride_ys, mask=mask & (left > 2), other=0.0)
+        p3 = tl.load(ptrs + (s0 + 3) * stride_ys, mask=mask & (left > 3), other=0.0)
+        y += (p0 + p1) + (p2 + p3)
+    return y
+
+
 @triton.jit(do_not_specialize=["SPLIT_K"])  # 1 or more within one launch class
 def _lora_expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scales_ptr, offsets_ptr,
@@ -116,13 +132,7 @@ def _lora_expand_kernel(
     if ONE_R_BLOCK:
         # Every rank fits one block: y (its partials summed) is read once for all the tiles.
         in_rank = rs < rank
-        y = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
-        for split in range(SPLIT_K):
-            y += tl.load(
-                y_rows + split * stride_ys + rs[None, :],
-                mask=rmask[:, None] & in_rank[None, :],
-                other=0.0,
-            )
+        y = sum_partials(y_rows + rs[None, :], stride_ys, SPLIT_K, rmask[:, None] & in_rank[None, :])
         y = y.to(b_ptr.dtype.element_ty)
     for tile in range(N_TILES):
         cols = first + tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,13 +147,9 @@ def _lora_expand_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for r0 in range(0, rank, BLOCK_R):
                 in_chunk = r0 + rs < rank
-                yc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
-                for split in range(SPLIT_K):
-                    yc += tl.load(
-                        y_rows + split * stride_ys + (r0 + rs)[None, :],
-                        mask=rmask[:, None] & in_chunk[None, :],
-                        other=0.0,
-                    )
+                yc = sum_partials(
+                    y_rows + (r0 + rs)[None, :], stride_ys, SPLIT_K, rmask[:, None] & in_chunk[None, :]
+                )
                 b_t = tl.load(
                     b_base + (r0 + rs)[:, None], mask=in_chunk[:, None] & cmask[None, :], other=0.0
                 )

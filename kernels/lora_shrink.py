@@ -54,14 +54,14 @@ def shrink_settings(rows: int) -> ShrinkSettings:
 
     A decode batch is one row block per slot: it splits K as far as choose_split_k goes and
     streams A in long K tiles. Past it, every row block reads x once per column tile, so the
-    tiles are wider; and the grid is already wide, so K is split at most 4 ways (down to one
-    piece for a long prefill): each piece is a [T, N] partial the expand reads again. A long
-    prefill (past LONG_ROWS: blocks of 64 rows) has its own; a batch between TUNED_ROWS and
-    LONG_ROWS keeps the untuned launch."""
+    tiles are wider; K is still split as far as choose_split_k goes (with A read from HBM, as
+    in an engine's step, a cap of 4 left the long-K down projection's shrink a few programs).
+    A long prefill (past LONG_ROWS: blocks of 64 rows) has its own, one piece along K; a batch
+    between TUNED_ROWS and LONG_ROWS keeps the untuned launch."""
     if rows <= DECODE_ROWS:
         return ShrinkSettings(block_n=16, block_k=256, max_split_k=None)
     if rows <= TUNED_ROWS:
-        return ShrinkSettings(block_n=32, block_k=128, max_split_k=4)
+        return ShrinkSettings(block_n=32, block_k=256, max_split_k=None)
     if rows > LONG_ROWS:
         return ShrinkSettings(block_n=64, block_k=256, max_split_k=1)
     return ShrinkSettings(block_n=16, block_k=128, max_split_k=None)

@@ -134,14 +134,15 @@ def test_shrink_matches_torch(device, dtype, rows, split_k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("sizes", [(40,), (64, 16, 16), (24, 72)])
-def test_expand_matches_torch_for_one_projection_or_a_group(device, dtype, sizes):
+@pytest.mark.parametrize(("sizes", "splits"), [((40,), 2), ((64, 16, 16), 6), ((24, 72), 9)])
+def test_expand_matches_torch_for_one_projection_or_a_group(device, dtype, sizes, splits):
+    # The shrink's partials (splits of them) are summed a chunk at a time, the last one partial.
     rows, p, n = 37, len(sizes), sum(sizes)
     slots = mixed_slots(rows, seed=p).to(device)
     ranks = torch.tensor(RANKS, dtype=torch.int32, device=device)
     gen = torch.Generator().manual_seed(2)
     _, b = random_weights(p, n, dtype, device)
-    y = torch.randn(2, rows, p * R, generator=gen).to(device)  # two split-K partials
+    y = torch.randn(splits, rows, p * R, generator=gen).to(device)  # split-K partials
     scales = torch.rand(len(RANKS), p, generator=gen).to(device)
     out = torch.randn(rows, n, generator=gen).to(device, dtype)
     want = lora_expand_reference(y.sum(0), b, out, slots, scales, sizes, ranks)
@@ -183,8 +184,8 @@ def test_expand_walking_several_column_tiles_per_program_matches_torch(
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("n_tiles", [1, 2])
-def test_expand_with_ranks_past_one_rank_block_matches_torch(device, n_tiles):
+@pytest.mark.parametrize(("n_tiles", "splits"), [(1, 2), (2, 5)])
+def test_expand_with_ranks_past_one_rank_block_matches_torch(device, n_tiles, splits):
     # A max rank of 80 reads y and B in rank blocks of 64: the adapter of rank 72 needs two.
     rows, sizes, max_rank = 19, (24, 24), 80
     p, n = len(sizes), sum(sizes)
@@ -193,7 +194,7 @@ def test_expand_with_ranks_past_one_rank_block_matches_torch(device, n_tiles):
     gen = torch.Generator().manual_seed(14)
     b = zero_past_rank(torch.randn(4, n, max_rank, generator=gen) / max_rank**0.5, [72, 16, 64, 0])
     b = b.to(device)
-    y = torch.randn(2, rows, p * max_rank, generator=gen).to(device)
+    y = torch.randn(splits, rows, p * max_rank, generator=gen).to(device)
     scales = torch.rand(4, p, generator=gen).to(device)
     out = torch.randn(rows, n, generator=gen).to(device)
     want = lora_expand_reference(y.sum(0), b, out, slots, scales, sizes, ranks)
