@@ -42,14 +42,18 @@ PROBE_WARMUP = 10  # rounds of probes not counted
 def start(args: list[str], port: int, log_dir: str) -> subprocess.Popen:
     log = open(os.path.join(log_dir, f"{port}.log"), "w")
     cmd = [sys.executable, "-m", "rollout.cli", *args, "--port", str(port)]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = log.name  # what wait_healthy shows of a server that exits
+    return proc
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server on port {port} exited with {proc.returncode}")
+            with open(proc.log_path) as log:
+                tail = "".join(log.readlines()[-30:])
+            raise RuntimeError(f"the server on port {port} exited with {proc.returncode}:\n{tail}")
         try:
             if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return

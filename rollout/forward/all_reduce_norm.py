@@ -67,6 +67,9 @@ class AllReduceNorm:
         allreduce_fusion(
             input=x.contiguous(), workspace=self.workspace,
             pattern=AllReduceFusionPattern.kARResidualRMSNorm, launch_with_pdl=self.pdl,
+            # With PDL the next kernel may be scheduled as soon as this one starts: every PDL
+            # kernel waits for its predecessor's end before it reads (rollout_kernels.pdl).
+            trigger_completion_at_end=not self.pdl,
             residual_out=summed, norm_out=out, residual_in=residual.contiguous(),
             rms_gamma=norm.weight, rms_eps=norm.eps, fp32_acc=True,
         )  # fmt: skip
