@@ -95,3 +95,48 @@ def test_killed_caller_leaves_no_orphans(tiny_qwen3, tmp_path):
         assert _wait_dead(pids, 10)
     finally:
         proc.kill()
+
+
+def _run_script(path, body: str, timeout: float) -> tuple[subprocess.CompletedProcess, list[int]]:
+    path.write_text(textwrap.dedent(body))
+    done = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=timeout
+    )
+    pids = json.loads(done.stdout.splitlines()[0]) if done.stdout.strip() else []
+    return done, pids
+
+
+def test_a_script_that_never_shuts_the_engine_down_still_exits(tiny_qwen3, tmp_path):
+    # The children ignore SIGTERM; without the engine's own exit hook, multiprocessing's would
+    # terminate and then join them forever.
+    done, pids = _run_script(
+        tmp_path / "open_engine.py",
+        f"""
+        import json
+        from rollout import RolloutEngine
+
+        if __name__ == "__main__":
+            engine = RolloutEngine({tiny_qwen3!r}, device="cpu")
+            print(json.dumps([p.pid for p in engine._procs]), flush=True)
+            out = engine.generate("hello", {{"max_new_tokens": 2}})
+            print(len(out["output_ids"]), flush=True)
+        """,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "2"
+    assert len(pids) == 2 and _wait_dead(pids, 10)
+
+
+def test_an_engine_created_outside_the_main_guard_names_the_guard(tiny_qwen3, tmp_path):
+    done, _ = _run_script(
+        tmp_path / "unguarded.py",
+        f"""
+        from rollout import RolloutEngine
+        engine = RolloutEngine({tiny_qwen3!r}, device="cpu")
+        """,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "EngineDeadError" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr.splitlines()[-1]

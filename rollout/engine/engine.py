@@ -10,8 +10,11 @@ caller's loop (a server's loop must keep answering while a long prompt is tokeni
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -65,6 +68,11 @@ class RolloutEngine(ControlAPI):
         self._thread.start()
         self._workers = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="rollout-tokenize")
         self._closed = False
+        # An engine left open at interpreter exit is shut down first (atexit runs the latest
+        # hook first): its children ignore SIGTERM (start_process), so multiprocessing's own
+        # exit hook, which terminates and then joins them, would wait for them forever.
+        self._at_exit = functools.partial(_shutdown_if_open, weakref.ref(self))
+        atexit.register(self._at_exit)
         try:
             self._tm = self._call(self._make_tm(TokenizerManager))
             pid = os.getpid()
@@ -326,6 +334,7 @@ class RolloutEngine(ControlAPI):
         # them (the detokenizer would sit out the whole graceful wait): they are killed at once.
         grace_s = 0 if self.dead_reason is not None else 5
         self._closed = True
+        atexit.unregister(self._at_exit)
         tm = getattr(self, "_tm", None)
         if tm is not None and self._loop.is_running():
             try:
@@ -348,3 +357,9 @@ class RolloutEngine(ControlAPI):
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.shutdown()
+
+
+def _shutdown_if_open(ref: weakref.ref[RolloutEngine]) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.shutdown()

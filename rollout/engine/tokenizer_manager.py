@@ -101,7 +101,12 @@ class TokenizerManager:
                 if isinstance(msg, SchedulerFailed):
                     raise EngineDeadError(f"the engine failed to start:\n{msg.error}")
             elif not self.is_alive():
-                raise EngineDeadError("the engine's subprocess exited during startup (killed?)")
+                raise EngineDeadError(
+                    "the engine's subprocess exited during startup (its output, if any, is above; "
+                    "killed?). Its processes are spawned and import the calling script first: a "
+                    "script that creates the engine at its top level must do so under "
+                    "`if __name__ == \"__main__\":`"
+                )
 
     # ---- requests -------------------------------------------------------------------------
     def next_seed(self) -> int:
