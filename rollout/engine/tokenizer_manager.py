@@ -105,7 +105,7 @@ class TokenizerManager:
                     "the engine's subprocess exited during startup (its output, if any, is above; "
                     "killed?). Its processes are spawned and import the calling script first: a "
                     "script that creates the engine at its top level must do so under "
-                    "`if __name__ == \"__main__\":`"
+                    '`if __name__ == "__main__":`'
                 )
 
     # ---- requests -------------------------------------------------------------------------
