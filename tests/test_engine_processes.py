@@ -140,3 +140,38 @@ def test_an_engine_created_outside_the_main_guard_names_the_guard(tiny_qwen3, tm
     assert done.returncode == 1
     assert "EngineDeadError" in done.stderr
     assert 'if __name__ == "__main__":' in done.stderr.splitlines()[-1]
+
+
+def test_an_interrupted_generate_aborts_its_requests(tiny_qwen3, tmp_path):
+    # Ctrl+C while generate() waits: the requests stop running and give their KV back, as when
+    # a stream is left or async_generate is cancelled, and the engine serves on.
+    done, _ = _run_script(
+        tmp_path / "interrupted.py",
+        f"""
+        import json, os, signal, threading, time
+        from rollout import RolloutEngine
+
+        if __name__ == "__main__":
+            engine = RolloutEngine({tiny_qwen3!r}, device="cpu")
+            print(json.dumps([]), flush=True)
+            threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            params = {{"max_new_tokens": 4000, "ignore_eos": True}}
+            try:
+                engine.generate(input_ids=[[1, 2, i] for i in range(16)], sampling_params=params)
+                print("not interrupted", flush=True)
+            except KeyboardInterrupt:
+                pass
+            deadline = time.monotonic() + 3  # the requests would run for tens of seconds
+            while time.monotonic() < deadline:
+                info = engine.get_server_info()
+                if info["num_running"] == 0 and info["kv_in_requests"] == 0:
+                    break
+                time.sleep(0.1)
+            out = engine.generate(input_ids=[1, 2, 3], sampling_params={{"max_new_tokens": 2}})
+            print(json.dumps([info["num_running"], info["kv_in_requests"], len(out["output_ids"])]))
+            engine.shutdown()
+        """,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [0, 0, 2]

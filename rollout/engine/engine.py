@@ -115,7 +115,7 @@ class RolloutEngine(ControlAPI):
             return loop_streams.to_thread(self._loop, lambda: indexed_streams.merge(self._tm, inputs))
         if request.stream:
             return self._stream_sync(inputs[0])
-        results = self._call(self._gather(inputs))
+        results = self._run_requests(inputs)
         return results if batched else results[0]
 
     @takes_generate_request
@@ -229,12 +229,23 @@ class RolloutEngine(ControlAPI):
 
     def _run(self, built: tuple[list[TokenizedRequest], embedding_requests.Finish]) -> Any:
         inputs, finish = built
-        return finish(self._call(self._gather(inputs)))
+        return finish(self._run_requests(inputs))
 
     async def _arun(self, build: Callable[..., Any], *args: Any) -> Any:
         inputs, finish = await self.run_in_worker(build, *args)
         fut = asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop)
         return finish(await asyncio.wrap_future(fut))
+
+    def _run_requests(self, inputs: list[TokenizedRequest]) -> list[dict]:
+        """The requests' outputs, waited for on the caller's thread. Whatever stops the wait (a
+        KeyboardInterrupt) aborts the requests, as cancelling async_generate or leaving a
+        stream does, instead of leaving them to run to their end in the engine."""
+        fut = asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
 
     async def _gather(self, inputs: list[TokenizedRequest]) -> list[dict]:
         async def one(inp: TokenizedRequest) -> dict:
