@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -166,3 +167,25 @@ def test_a_dead_scheduler_fails_health_at_once_and_the_server_exits_1(tiny_qwen3
     assert "the engine stopped serving" in stderr, stderr
     assert _wait_gone(children, timeout=5) == []
     assert not os.path.exists(ipc_dir)
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_a_port_in_use_fails_before_anything_starts_and_names_the_port(tiny_qwen3, command):
+    # Bound before the engine (or the pool) starts: a 7B model would otherwise load for minutes
+    # before uvicorn found the port taken.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = (
+            ["--model-path", tiny_qwen3, *SERVER_ARGS]
+            if command == "serve"
+            else ["--worker-urls", "http://127.0.0.1:1"]
+        )
+        done = subprocess.run(
+            [sys.executable, "-m", "rollout.cli", command, *args, "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "kernel plan" not in done.stderr  # no scheduler ever started

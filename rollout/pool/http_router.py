@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from typing import Any
 import uvicorn
 
 from rollout.pool.pool_setup import PoolOptions
-from rollout.server.launch import GRACEFUL_SHUTDOWN_S, add_option_arguments
+from rollout.server.launch import GRACEFUL_SHUTDOWN_S, add_option_arguments, listen
 from rollout.server.lifecycle import (
     EXIT_ENGINE_DIED,
     SIGNALS,
@@ -98,12 +99,17 @@ def _serve(
     # The server runs on the pool's loop (run_server): of the kind uvicorn would pick (uvloop,
     # where it is installed).
     loop_factory = uvicorn.Config(app=None).get_loop_factory()
-    pool = RolloutPool.over_workers(
-        args.worker_urls, api_key=args.worker_api_key, model_path=args.model_path,
-        pool_options=pool_options, loop_factory=loop_factory,
-    )  # fmt: skip
+    sock = listen(options.host, options.port, "rollout router")
+    try:
+        pool = RolloutPool.over_workers(
+            args.worker_urls, api_key=args.worker_api_key, model_path=args.model_path,
+            pool_options=pool_options, loop_factory=loop_factory,
+        )  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
     what = f"workers {' '.join(args.worker_urls)}"
-    return run_server(pool, options, signals, what, on_pool_loop=True, relay=True)
+    return run_server(pool, sock, options, signals, what, on_pool_loop=True, relay=True)
 
 
 def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], replicas: int) -> int:
@@ -121,19 +127,26 @@ def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], repli
             # mem_fraction); otherwise one GPU per rank.
             tp, gpus = int(options_left.get("tp_size") or 1), torch.cuda.device_count()
             share = gpus / replicas if tp == 1 and 0 < gpus < replicas else None
-            pool = RolloutPool(
-                model_path, replicas=replicas, num_gpus_per_replica=share, **options_left
-            )
-            return run_server(pool, options, signals, f"{replicas} replicas of {model_path}")
+            sock = listen(options.host, options.port)
+            try:
+                pool = RolloutPool(
+                    model_path, replicas=replicas, num_gpus_per_replica=share, **options_left
+                )
+            except BaseException:
+                sock.close()
+                raise
+            what = f"{replicas} replicas of {model_path}"
+            return run_server(pool, sock, options, signals, what)
         except StartInterrupted:
             return 0
 
 
 def run_server(
-    pool: Any, options: ServerOptions, signals: ShutdownSignals, what: str,
+    pool: Any, sock: socket.socket, options: ServerOptions, signals: ShutdownSignals, what: str,
     on_pool_loop: bool = False, relay: bool = False,
 ) -> int:  # fmt: skip
-    """Serves `pool` with rollout serve's app until a shutdown signal; shuts the pool down.
+    """Serves `pool` on `sock` (launch.listen's, bound before the pool started) with rollout
+    serve's app until a shutdown signal; shuts the pool down and closes the socket.
     `on_pool_loop`: the server runs on the pool's own event loop (a request then reaches the
     pool's dispatcher with no hop between threads), else on one of its own. `relay` (on the
     pool's loop, for a pool of HTTP workers): a one-prompt /generate goes to its worker as the
@@ -153,11 +166,12 @@ def run_server(
         print(f"rollout: serving {what} on {url}", file=sys.stderr, flush=True)
         if on_pool_loop:
             with _exit_on_signals(server):
-                pool.run_on_loop(server.serve())
+                pool.run_on_loop(server.serve(sockets=[sock]))
         else:
-            server.run()
+            server.run(sockets=[sock])
     finally:
         pool.shutdown()
+        sock.close()
     return EXIT_ENGINE_DIED if server.engine_died else 0
 
 

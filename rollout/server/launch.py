@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import socket
 import sys
 from typing import Any
 
@@ -70,6 +71,24 @@ def split_args(args: argparse.Namespace) -> tuple[ServerOptions, dict[str, Any]]
     return ServerOptions(**server), engine
 
 
+def listen(host: str, port: int, prog: str = "rollout serve") -> socket.socket:
+    """The server's socket, bound before anything slow starts: a port in use fails at once,
+    naming itself, rather than after the model has loaded. uvicorn listens on it when it
+    starts serving (until then a connection is refused, as before it binds)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(
+            f"{prog}: cannot listen on {host}:{port}: {e.strerror or e}; choose another --port "
+            f"(or --host), or stop what holds it"
+        ) from None
+    return sock
+
+
 def serve(options: ServerOptions, engine_options: dict[str, Any]) -> int:
     """Runs the server until a shutdown signal (returns 0) or the engine's death (returns 1)."""
     with ShutdownSignals() as signals:
@@ -83,7 +102,12 @@ def _serve(options: ServerOptions, engine_options: dict[str, Any], signals: Shut
     from rollout.engine.engine import RolloutEngine
     from rollout.server.app import create_app
 
-    engine = RolloutEngine(**engine_options)
+    sock = listen(options.host, options.port)
+    try:
+        engine = RolloutEngine(**engine_options)
+    except BaseException:
+        sock.close()
+        raise
     try:
         app = create_app(engine, options)
         config = uvicorn.Config(
@@ -101,9 +125,10 @@ def _serve(options: ServerOptions, engine_options: dict[str, Any], signals: Shut
         # every later collection, whose full walks would otherwise hold the event loop.
         gc.collect()
         gc.freeze()
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
     return EXIT_ENGINE_DIED if server.engine_died else 0
 
 
