@@ -7,7 +7,8 @@ torch.nn.functional.linear and rollout_kernels.skinny_gemm over a few tile confi
 inside CUDA graphs (as decode runs) with the weights read from HBM rather than the L2 cache,
 and prints one JSON line per projection: microseconds and the weight bytes read per second of
 each, the best configuration, the engine's tiles (SKINNY_GEMM_TILES), and the best one's largest
-error against torch.
+error against torch; and the same with the features split evenly over one or two programs an
+SM (`balanced_*`: waves, block_k, num_warps, num_stages).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from rollout.real_configs import REAL_CONFIGS  # noqa: E402
 
 COLD_BYTES = 256 << 20  # weights cycled through per projection
 CONFIGS = [*itertools.product((16, 32, 64), (256, 512), (4,), (3, 5)), (32, 512, 8, 4), (64, 512, 8, 4)]
+# The features split evenly over (SMs x waves) programs (skinny_gemm's `programs`), by block_k,
+# num_warps and num_stages.
+BALANCED = list(itertools.product((1, 2), (256, 512), (4, 8), (3, 4)))
 
 
 def projections(cfg: dict) -> list[tuple[str, int, int, bool]]:
@@ -100,6 +104,28 @@ def bench_projection(n: int, k: int, has_bias: bool, rows: int) -> dict:
         row.update({
             "skinny_us": round(ms * 1000, 1), "skinny_TB/s": round(nbytes / ms / 1e9, 3),
             "config": config, "max_err": round(err, 4),
+        })  # fmt: skip
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    best = None
+    for waves, bk, warps, stages in BALANCED:
+        def balanced(bk=bk, warps=warps, stages=stages, programs=waves * sms, weight=None):
+            weight = ws[next(turn) % copies] if weight is None else weight
+            return skinny_gemm(
+                x, weight, b, block_k=bk, num_warps=warps, num_stages=stages, programs=programs
+            )
+
+        try:
+            ms = time_ms(balanced, calls=4 * copies, replays=5)
+        except Exception:  # noqa: BLE001 - a tile that does not fit is skipped
+            continue
+        if best is None or ms < best[0]:
+            err = (balanced(weight=ws[0]).float() - want).abs().max().item()
+            best = (ms, (waves, bk, warps, stages), err)
+    if best is not None:
+        ms, config, err = best
+        row.update({
+            "balanced_us": round(ms * 1000, 1), "balanced_TB/s": round(nbytes / ms / 1e9, 3),
+            "balanced_config": config, "balanced_max_err": round(err, 4),
         })  # fmt: skip
     return row
 

@@ -22,19 +22,23 @@ MAX_ROWS = 16  # x rows one launch takes; more rows are a job for a real GEMM
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K,
+    M, N, K, COLS_PER,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BALANCED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_start(USE_PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     rmask = rows < M
-    cmask = cols < N
+    if BALANCED:  # this program's COLS_PER (<= BLOCK_N) output features
+        cols = pid * COLS_PER + tl.arange(0, BLOCK_N)
+        cmask = (cols < (pid + 1) * COLS_PER) & (cols < N)
+    else:
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + ks < K
@@ -64,10 +68,16 @@ def skinny_gemm(
     block_k: int = 256,
     num_warps: int = 4,
     num_stages: int = 4,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS, weight: [N, K], bias: [N] or None, all one dtype;
     the last dim of x and weight contiguous. Returns [M, N] = x @ weight.T + bias in x's dtype,
     accumulated in float32.
+
+    Each program owns block_n output features; with `programs` the features are instead split
+    evenly over that many programs (block_n then the power of two that holds a share), so that
+    a launch of one program an SM keeps every SM streaming to the end: N / block_n programs
+    may be a wave and a few (Qwen2.5-7B's q/k/v: 144 tiles of 32 for 132 SMs).
 
     The tiles are sized for 2-byte elements: with 4-byte ones block_k is halved, so that each
     pipeline stage takes the same shared memory (float32 at block_k 512 and 5 stages asks an
@@ -89,11 +99,19 @@ def skinny_gemm(
     if x.element_size() > 2:
         block_k //= 2
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+    if programs is None:
+        cols_per, grid = block_n, triton.cdiv(n, block_n)
+    else:
+        if programs < 1:
+            raise ValueError(f"skinny_gemm needs programs >= 1, got {programs}")
+        cols_per = triton.cdiv(n, programs)
+        block_n, grid = max(16, triton.next_power_of_2(cols_per)), triton.cdiv(n, cols_per)
+    _skinny_gemm_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, y,
-        m, n, k,
+        m, n, k, cols_per,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        BALANCED=programs is not None,
         num_warps=num_warps, num_stages=num_stages, **launch_options(x),
     )
     return y

@@ -34,6 +34,22 @@ def test_skinny_gemm_matches_linear(device, dtype, rows, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("programs", [1, 3, 7, 100])
+def test_features_split_evenly_over_a_number_of_programs(device, dtype, programs):
+    # 72 features over 3 programs: 24 each in tiles of 32; over 7: 11 each (the last 6); over
+    # 100: one each, 72 programs.
+    gen = torch.Generator().manual_seed(programs)
+    n, k = 72, 300
+    x = torch.randn(2, k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype)
+    got = skinny_gemm(x, w, b, block_k=128, programs=programs)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_linear_layers_skinny_path_runs_in_every_model_dtype(device, dtype):
     # The layers' tiles (sized for bf16) in float32 too: on a GPU they must still fit in shared
     # memory, with K far below the tile (the tiny checkpoints) or far above it.
@@ -61,3 +77,5 @@ def test_skinny_gemm_rejects_what_it_cannot_do(device):
         skinny_gemm(torch.zeros(1, 15, device=device), w)
     with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
         skinny_gemm(torch.zeros(MAX_ROWS + 1, 16, device=device), w)
+    with pytest.raises(ValueError, match="programs >= 1, got 0"):
+        skinny_gemm(torch.zeros(1, 16, device=device), w, programs=0)
