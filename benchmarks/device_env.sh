@@ -14,6 +14,24 @@ export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" "$FLASHINFER_WORKSPACE_BASE" "$TRITON_CACHE_DIR"
+# What the engine, the servers and the GPU tests import that the device's image lacks comes as
+# wheels in .whl/: a module still missing is named here, before any model loads (a server that
+# cannot import its HTTP stack otherwise fails only once a benchmark starts it).
+MISSING=$(PYTHONPATH=/tmp/site python3 - <<'PY'
+import importlib, importlib.util
+missing = []
+for name in ["zmq", "fastapi", "uvicorn", "httptools", "uvloop", "aiohttp", "httpx",
+             "prometheus_client", "jsonschema", "pytest_timeout"]:
+    try:  # imported: a dependency of theirs that is missing shows too
+        importlib.import_module(name)
+    except ImportError as e:
+        missing.append(f"{name} ({e})")
+missing += [n for n in ("flashinfer", "torch_memory_saver") if importlib.util.find_spec(n) is None]
+if missing:
+    print("device_env: MISSING (bring the wheels in .whl/):", "; ".join(missing), flush=True)
+PY
+)
+[ -n "$MISSING" ] && echo "$MISSING" | tee -a "$OUT/log"
 if [ ! -f /tmp/jit-restored ]; then
   if [ -f .jit/flashinfer-jit.tgz ]; then
     tar -xzf .jit/flashinfer-jit.tgz -C "$FLASHINFER_WORKSPACE_BASE" && echo "restored FlashInfer JIT cache"
