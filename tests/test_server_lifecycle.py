@@ -189,3 +189,19 @@ def test_a_port_in_use_fails_before_anything_starts_and_names_the_port(tiny_qwen
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "kernel plan" not in done.stderr  # no scheduler ever started
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dtype", "float33"], "dtype must be one of"),
+        (["--max-total-tokens", "-5"], "max_total_tokens"),
+        (["--model-path", "/nonexistent/model"], "checkpoint directory with config.json"),
+    ],
+)
+def test_a_bad_option_is_one_line_before_anything_starts(tiny_qwen3, args, message):
+    cmd = [sys.executable, "-m", "rollout.cli", "serve", "--model-path", tiny_qwen3, "--device", "cpu"]
+    done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.startswith("rollout serve: error: ") and message in done.stderr
+    assert "Traceback" not in done.stderr and "kernel plan" not in done.stderr

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import socket
 import sys
 from typing import Any
 
 import uvicorn
 
-from rollout.config import option_fields
+from rollout.config import EngineOptions, option_fields
 from rollout.server.lifecycle import (
     EXIT_ENGINE_DIED,
     EngineServer,
@@ -136,6 +137,15 @@ def parse(argv: list[str] | None = None, prog: str = "rollout serve") -> tuple[S
     """The server's and the engine's options from the command line (exits on a bad one)."""
     args = build_parser(prog).parse_args(argv)
     try:
-        return split_args(args)
+        options, engine = split_args(args)
+        # The engine's own checks, before anything starts: a bad value is this one line, not a
+        # traceback from the engine's constructor.
+        EngineOptions.from_kwargs(**engine)
+        model_path = engine["model_path"]
+        if not os.path.isfile(os.path.join(model_path, "config.json")):
+            raise ValueError(
+                f"--model-path must be a checkpoint directory with config.json, got {model_path!r}"
+            )
     except (ValueError, TypeError) as e:
         raise SystemExit(f"{prog}: error: {e}") from e
+    return options, engine
