@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -136,13 +137,15 @@ def test_killing_a_replica_mid_generation_loses_no_request(pool, expected):
             outs=pool.generate(input_ids=PROMPTS * 2, sampling_params=long)
         )
     )
-    worker.start()
-    wait_for(
-        lambda: pool.replica_call(1, "get_server_info")["num_running"] > 0,
-        60,
-        "replica 1 never ran",
-    )
     pid = ray.get(pool.replicas[1].actor.pid.remote())
+    worker.start()
+    # The kill follows the router's dispatch to replica 1 within a millisecond or so: its
+    # requests (200 tokens each, about 0.1 s on a fast CPU) are still running there. Polling
+    # the replica itself (a Ray call, wait_for's 0.2 s steps) could miss them altogether.
+    deadline = time.monotonic() + 60
+    while pool.stats()["replicas"][1]["in_flight"] == 0:
+        assert time.monotonic() < deadline, "nothing was routed to replica 1"
+        time.sleep(0.001)
     os.kill(pid, signal.SIGKILL)  # the actor's process crashes; its engine goes with it
     worker.join(timeout=180)
     outs = results["outs"]
