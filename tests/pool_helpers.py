@@ -84,9 +84,13 @@ def install_discard_fallback() -> None:
         RolloutEngine.discard_staged_weights = discard_by_refusal
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_for(
+    condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.2
+) -> None:
+    """Polls `condition` every `interval` seconds. To catch a state that lasts a fraction of a
+    second (a tiny model's requests running), poll with a short interval."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} within {timeout} s")
-        time.sleep(0.2)
+        time.sleep(interval)

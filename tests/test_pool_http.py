@@ -199,7 +199,9 @@ def test_a_worker_killed_mid_generation_loses_no_request(cluster, admin, layout,
     )
     run.start()
     with RolloutClient(cluster["urls"][1], api_key=WORKER_KEY) as w1:
-        wait_for(lambda: w1.get_server_info()["num_running"] > 0, 60, "worker 1 never ran")
+        # Its requests run for a fraction of a second on a fast CPU: polled every few ms.
+        running = lambda: w1.get_server_info()["num_running"] > 0  # noqa: E731
+        wait_for(running, 60, "worker 1 never ran", interval=0.002)
     os.kill(cluster["procs"][1].pid, signal.SIGKILL)
     run.join(timeout=180)
     outs = results["outs"]
