@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +26,8 @@ from rollout.engine.tokenizer_manager import RequestFailedError
 from rollout.errors import EXCEPTIONS, HTTP, Forbidden
 from rollout.generate_request import GenerateRequest
 from rollout.pool.replica import Replica, ReplicaDead
+
+logger = logging.getLogger(__name__)
 
 DEAD_STATUSES = (503, 504)  # the worker (or a gateway before it) says it is not serving
 # Idle connections are closed before the worker's server closes them (uvicorn: after 5 s), so
@@ -53,9 +56,16 @@ class HttpReplica(Replica):
 
     async def start(self) -> dict:
         deadline = time.monotonic() + self.start_timeout_s
+        waiting = False
         while not await self.alive():
             if time.monotonic() > deadline:
                 raise ReplicaDead(f"{self.name} did not answer /health in {self.start_timeout_s} s")
+            if not waiting:  # a router started before its workers says what it waits for
+                waiting = True
+                logger.warning(
+                    "rollout pool: waiting up to %.0f s for %s to answer /health",
+                    self.start_timeout_s, self.name,
+                )  # fmt: skip
             await asyncio.sleep(0.5)
         info = await self.call("get_server_info")
         self.ranks = int(info.get("tp_size", 1))
