@@ -6,9 +6,9 @@ For each projection of the model (q/k/v, o, gate/up, down, LM head), in bfloat16
 torch.nn.functional.linear and rollout_kernels.skinny_gemm over a few tile configurations,
 inside CUDA graphs (as decode runs) with the weights read from HBM rather than the L2 cache,
 and prints one JSON line per projection: microseconds and the weight bytes read per second of
-each, the best configuration, the engine's tiles (SKINNY_GEMM_TILES), and the best one's largest
-error against torch; and the same with the features split evenly over one or two programs an
-SM (`balanced_*`: waves, block_k, num_warps, num_stages).
+each, the best configuration (`skinny_*`), the engine's tiles (SKINNY_GEMM_TILES), and the best
+one's largest error against torch; and the same with the features split evenly over one or two
+programs an SM (`balanced_*`; its config: programs, block_k, num_warps, num_stages).
 """
 
 from __future__ import annotations
@@ -82,51 +82,39 @@ def bench_projection(n: int, k: int, has_bias: bool, rows: int) -> dict:
     torch_ms = time_ms(torch_linear, calls=4 * copies, replays=5)
     row = {"torch_us": round(torch_ms * 1000, 1), "torch_TB/s": round(nbytes / torch_ms / 1e9, 3)}
 
-    def engine_tiles():
-        return skinny_gemm(x, ws[next(turn) % copies], b, **SKINNY_GEMM_TILES)
+    def skinny(weight=None, **launch):
+        weight = ws[next(turn) % copies] if weight is None else weight
+        return skinny_gemm(x, weight, b, **launch)
 
-    row["engine_tiles_us"] = round(time_ms(engine_tiles, calls=4 * copies, replays=5) * 1000, 1)
-    best = None
-    for bn, bk, warps, stages in CONFIGS:
-        def run(bn=bn, bk=bk, warps=warps, stages=stages, weight=None):
-            weight = ws[next(turn) % copies] if weight is None else weight
-            return skinny_gemm(x, weight, b, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    engine_ms = time_ms(lambda: skinny(**SKINNY_GEMM_TILES), calls=4 * copies, replays=5)
+    row["engine_tiles_us"] = round(engine_ms * 1000, 1)
 
-        try:
-            ms = time_ms(run, calls=4 * copies, replays=5)
-        except Exception:  # noqa: BLE001 - a tile that does not fit is skipped
-            continue
-        if best is None or ms < best[0]:
-            err = (run(weight=ws[0]).float() - want).abs().max().item()
-            best = (ms, (bn, bk, warps, stages), err)
-    if best is not None:
-        ms, config, err = best
-        row.update({
-            "skinny_us": round(ms * 1000, 1), "skinny_TB/s": round(nbytes / ms / 1e9, 3),
-            "config": config, "max_err": round(err, 4),
-        })  # fmt: skip
+    def search(configs: list[dict]) -> tuple[float, dict, float] | None:
+        """(ms, launch, largest error against torch) of the fastest launch in `configs`."""
+        best = None
+        for launch in configs:
+            try:
+                ms = time_ms(lambda launch=launch: skinny(**launch), calls=4 * copies, replays=5)
+            except Exception:  # noqa: BLE001 - a tile that does not fit is skipped
+                continue
+            if best is None or ms < best[0]:
+                err = (skinny(weight=ws[0], **launch).float() - want).abs().max().item()
+                best = (ms, launch, err)
+        return best
+
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    best = None
-    for waves, bk, warps, stages in BALANCED:
-        def balanced(bk=bk, warps=warps, stages=stages, programs=waves * sms, weight=None):
-            weight = ws[next(turn) % copies] if weight is None else weight
-            return skinny_gemm(
-                x, weight, b, block_k=bk, num_warps=warps, num_stages=stages, programs=programs
-            )
-
-        try:
-            ms = time_ms(balanced, calls=4 * copies, replays=5)
-        except Exception:  # noqa: BLE001 - a tile that does not fit is skipped
-            continue
-        if best is None or ms < best[0]:
-            err = (balanced(weight=ws[0]).float() - want).abs().max().item()
-            best = (ms, (waves, bk, warps, stages), err)
-    if best is not None:
-        ms, config, err = best
-        row.update({
-            "balanced_us": round(ms * 1000, 1), "balanced_TB/s": round(nbytes / ms / 1e9, 3),
-            "balanced_config": config, "balanced_max_err": round(err, 4),
-        })  # fmt: skip
+    tiles = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st) for bn, bk, w, st in CONFIGS]
+    balanced = [
+        dict(programs=waves * sms, block_k=bk, num_warps=w, num_stages=st)
+        for waves, bk, w, st in BALANCED
+    ]  # fmt: skip
+    for prefix, configs in (("skinny", tiles), ("balanced", balanced)):
+        if (best := search(configs)) is not None:
+            ms, launch, err = best
+            row.update({
+                f"{prefix}_us": round(ms * 1000, 1), f"{prefix}_TB/s": round(nbytes / ms / 1e9, 3),
+                f"{prefix}_config": tuple(launch.values()), f"{prefix}_max_err": round(err, 4),
+            })  # fmt: skip
     return row
 
 
