@@ -8,6 +8,7 @@ text users see.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -366,6 +367,14 @@ _PARTS = {
     "parallel": ParallelOptions,
     "lora": LoraOptions,
 }
+
+
+def check_model_path(model_path: str) -> None:
+    """Raises FileNotFoundError unless `model_path` is a checkpoint directory (config.json)."""
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise FileNotFoundError(
+            f"model_path must be a checkpoint directory with config.json, got {model_path!r}"
+        )
 
 
 def option_fields() -> list[dataclasses.Field]:

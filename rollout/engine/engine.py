@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from rollout.config import EngineOptions
+from rollout.config import EngineOptions, check_model_path
 from rollout.control import ControlCall, control_method
 from rollout.control_api import ControlAPI
 from rollout.engine import embedding_requests, indexed_streams, loop_streams
@@ -42,12 +42,7 @@ TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
 
 class RolloutEngine(ControlAPI):
     def __init__(self, model_path: str, **options: Any) -> None:
-        if not os.path.isdir(model_path) or not os.path.exists(
-            os.path.join(model_path, "config.json")
-        ):
-            raise FileNotFoundError(
-                f"model_path must be a checkpoint directory with config.json, got {model_path!r}"
-            )
+        check_model_path(model_path)
         self.options = EngineOptions.from_kwargs(model_path=model_path, **options)
         embedding_requests.check_embedding_mode(model_path, self.options.model.is_embedding)
         self.is_classifier = embedding_requests.is_classifier_checkpoint(model_path)

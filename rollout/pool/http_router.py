@@ -99,17 +99,13 @@ def _serve(
     # The server runs on the pool's loop (run_server): of the kind uvicorn would pick (uvloop,
     # where it is installed).
     loop_factory = uvicorn.Config(app=None).get_loop_factory()
-    sock = listen(options.host, options.port, "rollout router")
-    try:
+    with listen(options.host, options.port, "rollout router") as sock:
         pool = RolloutPool.over_workers(
             args.worker_urls, api_key=args.worker_api_key, model_path=args.model_path,
             pool_options=pool_options, loop_factory=loop_factory,
         )  # fmt: skip
-    except BaseException:
-        sock.close()
-        raise
-    what = f"workers {' '.join(args.worker_urls)}"
-    return run_server(pool, sock, options, signals, what, on_pool_loop=True, relay=True)
+        what = f"workers {' '.join(args.worker_urls)}"
+        return run_server(pool, sock, options, signals, what, on_pool_loop=True, relay=True)
 
 
 def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], replicas: int) -> int:
@@ -127,16 +123,12 @@ def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], repli
             # mem_fraction); otherwise one GPU per rank.
             tp, gpus = int(options_left.get("tp_size") or 1), torch.cuda.device_count()
             share = gpus / replicas if tp == 1 and 0 < gpus < replicas else None
-            sock = listen(options.host, options.port)
-            try:
+            with listen(options.host, options.port) as sock:
                 pool = RolloutPool(
                     model_path, replicas=replicas, num_gpus_per_replica=share, **options_left
                 )
-            except BaseException:
-                sock.close()
-                raise
-            what = f"{replicas} replicas of {model_path}"
-            return run_server(pool, sock, options, signals, what)
+                what = f"{replicas} replicas of {model_path}"
+                return run_server(pool, sock, options, signals, what)
         except StartInterrupted:
             return 0
 
@@ -145,8 +137,8 @@ def run_server(
     pool: Any, sock: socket.socket, options: ServerOptions, signals: ShutdownSignals, what: str,
     on_pool_loop: bool = False, relay: bool = False,
 ) -> int:  # fmt: skip
-    """Serves `pool` on `sock` (launch.listen's, bound before the pool started) with rollout
-    serve's app until a shutdown signal; shuts the pool down and closes the socket.
+    """Serves `pool` on `sock` (launch.listen's, bound before the pool started; the caller
+    closes it) with rollout serve's app until a shutdown signal; shuts the pool down.
     `on_pool_loop`: the server runs on the pool's own event loop (a request then reaches the
     pool's dispatcher with no hop between threads), else on one of its own. `relay` (on the
     pool's loop, for a pool of HTTP workers): a one-prompt /generate goes to its worker as the
@@ -171,7 +163,6 @@ def run_server(
             server.run(sockets=[sock])
     finally:
         pool.shutdown()
-        sock.close()
     return EXIT_ENGINE_DIED if server.engine_died else 0
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import socket
 import sys
 from typing import Any
 
 import uvicorn
 
-from rollout.config import EngineOptions, option_fields
+from rollout.config import EngineOptions, check_model_path, option_fields
 from rollout.server.lifecycle import (
     EXIT_ENGINE_DIED,
     EngineServer,
@@ -103,33 +102,28 @@ def _serve(options: ServerOptions, engine_options: dict[str, Any], signals: Shut
     from rollout.engine.engine import RolloutEngine
     from rollout.server.app import create_app
 
-    sock = listen(options.host, options.port)
-    try:
+    with listen(options.host, options.port) as sock:
         engine = RolloutEngine(**engine_options)
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        app = create_app(engine, options)
-        config = uvicorn.Config(
-            app,
-            host=options.host,
-            port=options.port,
-            log_level=options.log_level,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
-        server = signals.server = EngineServer(config, engine, app.state)
-        url = f"http://{options.host}:{options.port}"
-        model = engine.options.model.model_path
-        print(f"rollout: serving {model} on {url}", file=sys.stderr, flush=True)
-        # What start-up made (torch, transformers, the app) lives as long as the server: out of
-        # every later collection, whose full walks would otherwise hold the event loop.
-        gc.collect()
-        gc.freeze()
-        server.run(sockets=[sock])
-    finally:
-        engine.shutdown()
-        sock.close()
+        try:
+            app = create_app(engine, options)
+            config = uvicorn.Config(
+                app,
+                host=options.host,
+                port=options.port,
+                log_level=options.log_level,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            )
+            server = signals.server = EngineServer(config, engine, app.state)
+            url = f"http://{options.host}:{options.port}"
+            model = engine.options.model.model_path
+            print(f"rollout: serving {model} on {url}", file=sys.stderr, flush=True)
+            # What start-up made (torch, transformers, the app) lives as long as the server:
+            # out of every later collection, whose full walks would otherwise hold the loop.
+            gc.collect()
+            gc.freeze()
+            server.run(sockets=[sock])
+        finally:
+            engine.shutdown()
     return EXIT_ENGINE_DIED if server.engine_died else 0
 
 
@@ -141,11 +135,7 @@ def parse(argv: list[str] | None = None, prog: str = "rollout serve") -> tuple[S
         # The engine's own checks, before anything starts: a bad value is this one line, not a
         # traceback from the engine's constructor.
         EngineOptions.from_kwargs(**engine)
-        model_path = engine["model_path"]
-        if not os.path.isfile(os.path.join(model_path, "config.json")):
-            raise ValueError(
-                f"--model-path must be a checkpoint directory with config.json, got {model_path!r}"
-            )
-    except (ValueError, TypeError) as e:
+        check_model_path(engine["model_path"])
+    except (ValueError, TypeError, FileNotFoundError) as e:
         raise SystemExit(f"{prog}: error: {e}") from e
     return options, engine
