@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--extend", action="store_true", help="profile the prompts' prefill steps instead of decode")
     parser.add_argument("--skinny-gemm-max-rows", type=int, default=kernels.skinny_gemm_max_rows)
     parser.add_argument("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
+    parser.add_argument("--disable-pdl", action="store_true",
+                        help="no programmatic dependent launch (under it a kernel's wait for its predecessor counts as its own time)")
     parser.add_argument("--trace", help="also write the profiled decode steps as a Chrome trace here")
     parser.add_argument("--deterministic-inference", action="store_true", help="the batch-invariant kernels (issue 24)")
     parser.add_argument("--return-logprob", action="store_true", help="every request returns its tokens' logprobs")
@@ -64,6 +66,7 @@ def main() -> None:
         "max_total_tokens": args.batch * (args.prompt_len + 4 * args.steps) + 64,
         "disable_overlap_schedule": args.disable_overlap_schedule,
         "deterministic_inference": args.deterministic_inference,
+        "disable_pdl": args.disable_pdl,
     }
     model = args.model
     if not os.path.isdir(model):
