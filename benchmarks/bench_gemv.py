@@ -34,6 +34,9 @@ CONFIGS = [*itertools.product((16, 32, 64), (256, 512), (4,), (3, 5)), (32, 512,
 BALANCED = list(itertools.product((1, 2), (256, 512), (4, 8), (3, 4)))
 
 
+PROJECTIONS = ["qkv", "o", "gate_up", "down", "lm_head"]
+
+
 def projections(cfg: dict) -> list[tuple[str, int, int, bool]]:
     """(name, out features, in features, bias) of one layer's linear layers and the LM head."""
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -54,9 +57,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(REAL_CONFIGS))
     parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--proj", nargs="+", choices=PROJECTIONS, default=PROJECTIONS, help="these projections only")
     args = parser.parse_args()
     torch.manual_seed(0)
     for name, n, k, has_bias in projections(REAL_CONFIGS[args.model]):
+        if name not in args.proj:
+            continue
         row = {"model": args.model, "rows": args.rows, "proj": name, "N": n, "K": k}
         row.update(bench_projection(n, k, has_bias, args.rows))
         print(json.dumps(row))
@@ -104,9 +110,10 @@ def bench_projection(n: int, k: int, has_bias: bool, rows: int) -> dict:
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     tiles = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st) for bn, bk, w, st in CONFIGS]
+    # A share wider than 128 features is a tile too large to compile quickly or run well.
     balanced = [
         dict(programs=waves * sms, block_k=bk, num_warps=w, num_stages=st)
-        for waves, bk, w, st in BALANCED
+        for waves, bk, w, st in BALANCED if -(-n // (waves * sms)) <= 128
     ]  # fmt: skip
     for prefix, configs in (("skinny", tiles), ("balanced", balanced)):
         if (best := search(configs)) is not None:
