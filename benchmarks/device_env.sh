@@ -21,7 +21,7 @@ MISSING=$(PYTHONPATH=/tmp/site python3 - <<'PY'
 import importlib, importlib.util
 missing = []
 for name in ["zmq", "fastapi", "uvicorn", "httptools", "uvloop", "aiohttp", "httpx",
-             "prometheus_client", "jsonschema", "pytest_timeout"]:
+             "prometheus_client", "jsonschema", "pytest_timeout", "requests"]:
     try:  # imported: a dependency of theirs that is missing shows too
         importlib.import_module(name)
     except ImportError as e:
