@@ -3,11 +3,14 @@
 Same method names, arguments and return shapes, so a trainer moves between an in-process engine
 and a `rollout serve` process by changing the line that makes it. Errors map back to the
 exceptions the engine raises: bad input -> ValueError, auth -> PermissionError, the rest ->
-RuntimeError.
+RuntimeError. A server that cannot be reached, or drops the connection, raises
+ServerUnreachable (a ConnectionError); no answer within the client's `timeout`, TimeoutError;
+both name the server's URL and the route.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -20,7 +23,7 @@ from rollout.control_api import ControlAPI
 from rollout.engine.control_calls import FlushCache, GetServerInfo
 from rollout.engine.lora_calls import LoadLoraAdapter
 from rollout.engine.messages import AbortRequest
-from rollout.errors import EXCEPTIONS, HTTP, Forbidden
+from rollout.errors import EXCEPTIONS, HTTP, Forbidden, ServerUnreachable
 from rollout.generate_request import GenerateRequest, takes_generate_request
 from rollout.weight_sync import calls
 
@@ -48,7 +51,10 @@ class RolloutClient(ControlAPI):
         return self._post("/generate", request.to_json())
 
     def _stream(self, payload: dict) -> Iterator[dict]:
-        with self._http.stream("POST", "/generate", json=payload) as resp:
+        with (
+            self._reaching("/generate"),
+            self._http.stream("POST", "/generate", json=payload) as resp,
+        ):
             if resp.status_code != 200:
                 resp.read()
                 raise _error(resp)
@@ -66,24 +72,26 @@ class RolloutClient(ControlAPI):
         """As RolloutEngine.async_generate; cancelling closes the connection, which aborts."""
         if request.stream:
             return self._astream(request.to_json())
-        async with self._async_http() as http:
-            resp = await http.post("/generate", json=request.to_json())
+        with self._reaching("/generate"):
+            async with self._async_http() as http:
+                resp = await http.post("/generate", json=request.to_json())
         return _result(resp)
 
     async def _astream(self, payload: dict) -> AsyncIterator[dict]:
-        async with (
-            self._async_http() as http,
-            http.stream("POST", "/generate", json=payload) as resp,
-        ):
-            if resp.status_code != 200:
-                await resp.aread()
-                raise _error(resp)
-            async for line in resp.aiter_lines():
-                item = _event(line)
-                if item is _DONE:
-                    return
-                if item is not None:
-                    yield item
+        with self._reaching("/generate"):
+            async with (
+                self._async_http() as http,
+                http.stream("POST", "/generate", json=payload) as resp,
+            ):
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise _error(resp)
+                async for line in resp.aiter_lines():
+                    item = _event(line)
+                    if item is _DONE:
+                        return
+                    if item is not None:
+                        yield item
 
     def _async_http(self) -> httpx.AsyncClient:
         # A fresh async client per call: an AsyncClient belongs to the event loop that used it first.
@@ -95,7 +103,8 @@ class RolloutClient(ControlAPI):
         return self._post("/open_session", _present(payload))
 
     def close_session(self, session_id: str) -> None:
-        resp = self._http.post("/close_session", json={"session_id": session_id})
+        with self._reaching("/close_session"):
+            resp = self._http.post("/close_session", json={"session_id": session_id})
         if resp.status_code >= 400:
             raise _error(resp)
 
@@ -133,7 +142,8 @@ class RolloutClient(ControlAPI):
 
     # ---- control --------------------------------------------------------------------------
     def flush_cache(self) -> dict:
-        resp = self._http.post(f"/{FlushCache.method}")
+        with self._reaching(f"/{FlushCache.method}"):
+            resp = self._http.post(f"/{FlushCache.method}")
         if resp.status_code == 409:  # not flushed (requests running): a result, not an error
             return resp.json()
         return _result(resp)
@@ -210,7 +220,8 @@ class RolloutClient(ControlAPI):
 
     # ---- plumbing -------------------------------------------------------------------------
     def _post(self, path: str, payload: dict | None = None) -> Any:
-        return _result(self._http.post(path, json=payload))
+        with self._reaching(path):
+            return _result(self._http.post(path, json=payload))
 
     def control(self, call: ControlCall, omit: tuple[str, ...] = ()) -> Any:
         """Posts a control call's fields to its route (RolloutEngine.control's twin)."""
@@ -218,7 +229,24 @@ class RolloutClient(ControlAPI):
         return self._post(f"/{call.method}", body)
 
     def _get(self, path: str) -> Any:
-        return _result(self._http.get(path))
+        with self._reaching(path):
+            return _result(self._http.get(path))
+
+    @contextlib.contextmanager
+    def _reaching(self, path: str) -> Iterator[None]:
+        """httpx's transport errors as ServerUnreachable / TimeoutError naming the server."""
+        where = f"{self.base_url}{path}"
+        try:
+            yield
+        except httpx.TimeoutException as e:
+            raise TimeoutError(f"{where}: no answer within the client's timeout ({e!r})") from e
+        except httpx.ConnectError as e:
+            raise ServerUnreachable(
+                f"cannot reach the rollout server at {self.base_url} ({path}): {e}; "
+                "is `rollout serve` running there?"
+            ) from e
+        except httpx.TransportError as e:
+            raise ServerUnreachable(f"lost the connection to {where}: {e!r}") from e
 
     def close(self) -> None:
         self._http.close()

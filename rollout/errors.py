@@ -35,6 +35,11 @@ class Forbidden(RequestError, PermissionError):
     kind: ClassVar[str] = "forbidden"
 
 
+class ServerUnreachable(ConnectionError):
+    """RolloutClient could not connect to its server, or lost the connection mid-answer; the
+    message names the server's URL and the route."""
+
+
 class WeightSyncError(RuntimeError):
     """A weight transfer failed (the peer died, timed out, or sent something unusable)."""
 

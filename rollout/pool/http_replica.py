@@ -23,7 +23,7 @@ import httpx
 
 from rollout.client import RolloutClient
 from rollout.engine.tokenizer_manager import RequestFailedError
-from rollout.errors import EXCEPTIONS, HTTP, Forbidden
+from rollout.errors import EXCEPTIONS, HTTP, Forbidden, ServerUnreachable
 from rollout.generate_request import GenerateRequest
 from rollout.pool.replica import Replica, ReplicaDead
 
@@ -144,7 +144,7 @@ class HttpReplica(Replica):
             if fn is None:  # a call this client has no method for yet: posted by name
                 return self._post(method, kwargs)
             return fn(*args, **kwargs)
-        except httpx.TransportError as e:
+        except (httpx.TransportError, ServerUnreachable, TimeoutError) as e:
             raise ReplicaDead(f"{self.name} is unreachable: {e!r}") from None
         except RuntimeError as e:
             status = str(e).split(":")[0]
