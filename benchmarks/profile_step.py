@@ -127,7 +127,7 @@ def main() -> None:
         for _ in range(5):
             sched.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
     print_device_busy(prof, steps=5)
     if args.trace:
