@@ -12,8 +12,8 @@ Two runs of the nano workload (bench_offline.py's), each request its own HTTP /g
   With --one-gpu-each, worker i runs on GPU i and the direct run is one such worker on GPU 0
   (the scaling of replicas over GPUs).
 Output tok/s of both and their ratio. The router's overhead per request: the median latency of
---probes one-token requests (sequential, a short prompt) through the router minus sent to a
-worker directly, the two sent in turn. Arguments after `--` go to every `rollout serve`.
+--probes one-token requests (sequential, a short prompt) through the router minus the mean of
+the workers' medians with the same requests sent to each directly, all sent in turn. Arguments after `--` go to every `rollout serve`.
 """
 
 from __future__ import annotations
@@ -131,9 +131,12 @@ def run_pool(serve: list[str], model_path: str, workload, args, log_dir: str) ->
         wait_healthy(BASE_PORT, router)
         throughput(BASE_PORT, (workload[0][:8], workload[1][:8]), args.concurrency)
         seconds, tokens = throughput(BASE_PORT, workload, args.concurrency)
-        direct_ms, routed_ms = probe_ms([ports[0], BASE_PORT], args.probes)
+        # The router sends a probe to either worker: the direct baseline is every worker's.
+        *worker_ms, routed_ms = probe_ms([*ports, BASE_PORT], args.probes)
+        direct_ms = statistics.mean(worker_ms)
         return {
             "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1),
+            "probe_workers_ms": [round(ms, 3) for ms in worker_ms],
             "probe_direct_ms": round(direct_ms, 3), "probe_router_ms": round(routed_ms, 3),
             "router_overhead_ms": round(routed_ms - direct_ms, 3),
             "load_avg_1m": round(os.getloadavg()[0], 2),
