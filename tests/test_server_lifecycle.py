@@ -205,3 +205,35 @@ def test_a_bad_option_is_one_line_before_anything_starts(tiny_qwen3, args, messa
     assert done.returncode == 1
     assert done.stderr.startswith("rollout serve: error: ") and message in done.stderr
     assert "Traceback" not in done.stderr and "kernel plan" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("urls", "message"),
+    [
+        (["notaurl"], "worker URL 'notaurl' is not http(s)://host[:port]"),
+        (["http://127.0.0.1:99999"], "is not http(s)://host[:port]"),
+        (["http://127.0.0.1:5000", "http://127.0.0.1:5000/"], "is given twice"),
+    ],
+)
+def test_a_bad_worker_url_is_one_line_before_the_router_starts(urls, message):
+    # It used to wait 120 s for "notaurl" to answer /health.
+    done = subprocess.run(
+        [sys.executable, "-m", "rollout.cli", "router", "--worker-urls", *urls, "--port", str(free_port())],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.startswith("rollout router: error: ") and message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_router_stopped_while_it_waits_for_its_workers_exits_0_cleanly():
+    # SIGTERM while the pool waits for a worker's /health: exit 0 with the pool's pending start
+    # cancelled (it was left pending in a stopped event loop, which asyncio reported at exit).
+    cmd = [sys.executable, "-m", "rollout.cli", "router", "--worker-urls", f"http://127.0.0.1:{free_port()}"]
+    proc = subprocess.Popen([*cmd, "--port", str(free_port())], stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()
+    assert "waiting up to" in first, first
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert "Task was destroyed" not in rest and "Traceback" not in rest, rest

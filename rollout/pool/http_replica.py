@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
@@ -38,6 +39,26 @@ HEALTH_TIMEOUT_S = 10.0
 _UNREACHABLE = (aiohttp.ClientError, OSError)
 JSON_TYPE = {"Content-Type": "application/json"}
 _KINDS = {status: kind for kind, (status, _) in HTTP.items()}
+
+
+def check_worker_urls(urls: list[str]) -> None:
+    """ValueError naming the first worker URL that is not http(s)://host[:port][/path], or one
+    given twice (its requests would be counted as two workers' loads)."""
+    if not urls:
+        raise ValueError("worker_urls must name at least one worker")
+    seen = set()
+    for url in urls:
+        parts = urlsplit(url)
+        try:
+            port_ok = parts.port is None or 0 < parts.port < 65536
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+            raise ValueError(f"worker URL {url!r} is not http(s)://host[:port]")
+        key = url.rstrip("/")
+        if key in seen:
+            raise ValueError(f"worker URL {url!r} is given twice")
+        seen.add(key)
 
 
 class HttpReplica(Replica):

@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None, prog: str = "rollout router") -> int:
         server_values["allowed_weight_roots"] = tuple(server_values["allowed_weight_roots"] or ())
         options = ServerOptions(**server_values)
         pool_options = PoolOptions(**{name: values[name] for name in POOL_FLAGS})
+        from rollout.pool.http_replica import check_worker_urls
+
+        check_worker_urls(args.worker_urls)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"{prog}: error: {e}") from e
     with ShutdownSignals() as signals:

@@ -85,10 +85,9 @@ class RolloutPool(ControlAPI):
         """A pool over running `rollout serve` workers (api_key: their admin key, if any).
         `model_path` (default: the workers') is read here for the tokenizer only.
         `loop_factory` makes the pool's event loop (default: asyncio's)."""
-        from rollout.pool.http_replica import HttpReplica
+        from rollout.pool.http_replica import HttpReplica, check_worker_urls
 
-        if not worker_urls:
-            raise ValueError("worker_urls must name at least one worker")
+        check_worker_urls(worker_urls)
         pool = cls.__new__(cls)
         pool._ray_group, pool._owns_ray = None, False
         made = [HttpReplica(i, url, api_key) for i, url in enumerate(worker_urls)]
@@ -346,6 +345,12 @@ class RolloutPool(ControlAPI):
             except Exception:  # noqa: BLE001 - shutting down regardless
                 pass
         self._workers.shutdown(wait=False, cancel_futures=True)
+        # What still runs on the loop (a start interrupted by a signal, a request's task) is
+        # cancelled and awaited, not left pending in a stopped loop.
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_pending(), self._loop).result(timeout=10)
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         if self._ray_group is not None or self._owns_ray:
@@ -359,6 +364,13 @@ class RolloutPool(ControlAPI):
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+async def _cancel_pending() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _pairs(named: Any) -> Named:
