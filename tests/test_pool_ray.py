@@ -160,3 +160,21 @@ def test_killing_a_replica_mid_generation_loses_no_request(pool, expected):
     assert _on_each_replica(pool) == [expected["base"]] * 2
     again = pool.generate(input_ids=[[9] * 30, [11] * 30, [13] * 30], sampling_params=GREEDY)
     assert len(again) == 3 and pool.stats()["replicas"][1]["routed"] > stats["routed"]
+
+
+@pytest.mark.parametrize(
+    ("placement", "message"),
+    [
+        ({"num_gpus_per_replica": -1}, "num_gpus_per_replica must be a number >= 0, got -1"),
+        ({"num_cpus_per_replica": "2"}, "num_cpus_per_replica must be a number >= 0"),
+        ({"num_gpus_per_replica": 1.5}, "above 1 must be a whole number of GPUs, got 1.5"),
+        ({"num_cpus_per_replica": 0, "num_gpus_per_replica": 0}, "needs some CPUs or GPUs"),
+        ({"placement_strategy": "spread"}, "placement_strategy must be one of PACK, SPREAD"),
+    ],
+)
+def test_a_placement_ray_cannot_make_is_refused_before_ray_starts(tiny_qwen3, monkeypatch, placement, message):
+    # A negative GPU count used to wait out the 300 s placement timeout.
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(ValueError, match=message):
+        RolloutPool(tiny_qwen3, replicas=2, **ENGINE, **placement)

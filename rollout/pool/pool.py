@@ -65,6 +65,7 @@ class RolloutPool(ControlAPI):
         if not isinstance(replicas, int) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
         EngineOptions.from_kwargs(model_path=model_path, **engine_options)  # refused here, early
+        ray_setup.check_placement(num_cpus_per_replica, num_gpus_per_replica, placement_strategy)
         self._ray_group, self._owns_ray = None, ray_setup.connect(ray_address, ray_init)
         try:
             self._ray_group, made = ray_setup.place_replicas(
