@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -32,7 +33,9 @@ class RolloutClient(ControlAPI):
     def __init__(
         self, base_url: str, api_key: str | None = None, timeout: float | None = None
     ) -> None:
-        """`timeout` bounds each HTTP call in seconds (None: wait as long as generation takes)."""
+        """`timeout` bounds each HTTP call in seconds (None: wait as long as generation takes).
+        ValueError unless `base_url` is http(s)://host[:port][/path]."""
+        check_server_url(base_url)
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = httpx.Timeout(timeout)
@@ -261,6 +264,17 @@ class RolloutClient(ControlAPI):
 
 
 _DONE = object()
+
+
+def check_server_url(url: str, what: str = "server URL") -> None:
+    """ValueError naming `url` unless it is http(s)://host[:port][/path]."""
+    parts = urlsplit(url) if isinstance(url, str) else None
+    try:
+        port_ok = parts is not None and (parts.port is None or 0 < parts.port < 65536)
+    except ValueError:
+        port_ok = False
+    if not port_ok or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what} {url!r} is not http(s)://host[:port]")
 
 
 def _present(payload: dict) -> dict:

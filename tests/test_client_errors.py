@@ -81,3 +81,10 @@ def test_no_answer_within_the_timeout_and_a_dropped_connection_name_the_server(l
         hang_up()
         with pytest.raises(ServerUnreachable, match=f"lost the connection to {url}/generate"):
             client.generate(input_ids=[1, 2])
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:30000", "ftp://host", "http://", "http://host:99999"])
+def test_a_url_that_is_not_http_is_refused_when_the_client_is_made(url):
+    # It used to fail at the first call as a "lost connection" (httpx's UnsupportedProtocol).
+    with pytest.raises(ValueError, match="is not http\\(s\\)://host\\[:port\\]"):
+        RolloutClient(url)

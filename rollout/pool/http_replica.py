@@ -17,12 +17,11 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
 
-from rollout.client import RolloutClient
+from rollout.client import RolloutClient, check_server_url
 from rollout.engine.tokenizer_manager import RequestFailedError
 from rollout.errors import EXCEPTIONS, HTTP, Forbidden, ServerUnreachable
 from rollout.generate_request import GenerateRequest
@@ -48,13 +47,7 @@ def check_worker_urls(urls: list[str]) -> None:
         raise ValueError("worker_urls must name at least one worker")
     seen = set()
     for url in urls:
-        parts = urlsplit(url)
-        try:
-            port_ok = parts.port is None or 0 < parts.port < 65536
-        except ValueError:
-            port_ok = False
-        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
-            raise ValueError(f"worker URL {url!r} is not http(s)://host[:port]")
+        check_server_url(url, "worker URL")
         key = url.rstrip("/")
         if key in seen:
             raise ValueError(f"worker URL {url!r} is given twice")
