@@ -13,7 +13,8 @@ Two runs of the nano workload (bench_offline.py's), each request its own HTTP /g
   (the scaling of replicas over GPUs).
 Output tok/s of both and their ratio. The router's overhead per request: the median latency of
 --probes one-token requests (sequential, a short prompt) through the router minus the mean of
-the workers' medians with the same requests sent to each directly, all sent in turn. Arguments after `--` go to every `rollout serve`.
+the workers' medians with the same requests sent to each directly, all sent in turn. Arguments
+after `--` go to every `rollout serve`.
 """
 
 from __future__ import annotations

@@ -106,8 +106,7 @@ class RolloutClient(ControlAPI):
         return self._post("/open_session", _present(payload))
 
     def close_session(self, session_id: str) -> None:
-        with self._reaching("/close_session"):
-            resp = self._http.post("/close_session", json={"session_id": session_id})
+        resp = self._send("POST", "/close_session", {"session_id": session_id})
         if resp.status_code >= 400:
             raise _error(resp)
 
@@ -145,8 +144,7 @@ class RolloutClient(ControlAPI):
 
     # ---- control --------------------------------------------------------------------------
     def flush_cache(self) -> dict:
-        with self._reaching(f"/{FlushCache.method}"):
-            resp = self._http.post(f"/{FlushCache.method}")
+        resp = self._send("POST", f"/{FlushCache.method}")
         if resp.status_code == 409:  # not flushed (requests running): a result, not an error
             return resp.json()
         return _result(resp)
@@ -223,8 +221,7 @@ class RolloutClient(ControlAPI):
 
     # ---- plumbing -------------------------------------------------------------------------
     def _post(self, path: str, payload: dict | None = None) -> Any:
-        with self._reaching(path):
-            return _result(self._http.post(path, json=payload))
+        return _result(self._send("POST", path, payload))
 
     def control(self, call: ControlCall, omit: tuple[str, ...] = ()) -> Any:
         """Posts a control call's fields to its route (RolloutEngine.control's twin)."""
@@ -232,8 +229,12 @@ class RolloutClient(ControlAPI):
         return self._post(f"/{call.method}", body)
 
     def _get(self, path: str) -> Any:
+        return _result(self._send("GET", path))
+
+    def _send(self, method: str, path: str, payload: dict | None = None) -> httpx.Response:
+        """Every unstreamed call's request (the streams wrap theirs in _reaching too)."""
         with self._reaching(path):
-            return _result(self._http.get(path))
+            return self._http.request(method, path, json=payload)
 
     @contextlib.contextmanager
     def _reaching(self, path: str) -> Iterator[None]:

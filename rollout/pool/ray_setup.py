@@ -51,16 +51,22 @@ def check_placement(num_cpus: float, num_gpus: float | None, strategy: str) -> N
     one that is not whole (Ray shares only fractions of one GPU), an unknown strategy. Checked
     before Ray starts (a negative GPU count waited out the placement timeout)."""
     for name, value in (("num_cpus_per_replica", num_cpus), ("num_gpus_per_replica", num_gpus)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is not None and not (number and value >= 0):  # NaN fails >= 0 too
             raise ValueError(f"{name} must be a number >= 0, got {value!r}")
     if num_gpus is not None and num_gpus > 1 and num_gpus != int(num_gpus):
         raise ValueError(
             f"num_gpus_per_replica above 1 must be a whole number of GPUs, got {num_gpus}"
         )
     if num_cpus == 0 and num_gpus == 0:
-        raise ValueError("a replica needs some CPUs or GPUs: num_cpus_per_replica and num_gpus_per_replica are both 0")
+        raise ValueError(
+            "a replica needs some CPUs or GPUs: num_cpus_per_replica and num_gpus_per_replica "
+            "are both 0"
+        )
     if strategy not in STRATEGIES:
-        raise ValueError(f"placement_strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        raise ValueError(
+            f"placement_strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}"
+        )
 
 
 def place_replicas(
