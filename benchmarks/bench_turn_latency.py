@@ -63,8 +63,10 @@ def scheduler_layer(options: dict, args, params: dict) -> tuple[float, object]:
     from rollout.engine.sampling_params import SamplingParams
     from rollout.engine.scheduler_process import SchedulerProcess
 
+    start = time.perf_counter()
     proc = SchedulerProcess(EngineOptions.from_kwargs(**options))
     proc.warm_up()
+    proc.startup_s = time.perf_counter() - start
     sched, count = proc.scheduler, [0]
     cuda = proc.runner.device.type == "cuda"
 
@@ -152,6 +154,7 @@ def main() -> None:
     parser.add_argument("--layers", nargs="+", default=["scheduler", "engine", "http"],
                         choices=["scheduler", "engine", "http"])  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="cProfile and torch.profiler of the in-process layer")
+    parser.add_argument("--extend-graph-tokens", type=int, help="cuda_graph_max_extend_tokens (0: eager extends)")
     args = parser.parse_args()
     if args.prompt_len < 1 or args.new_tokens < 1 or args.requests < 1:
         parser.error("--prompt-len, --new-tokens and --requests must be >= 1")
@@ -162,6 +165,8 @@ def main() -> None:
         "dtype": args.dtype or ("bfloat16" if args.device == "cuda" else "float32"),
         "max_total_tokens": 16384,
     }
+    if args.extend_graph_tokens is not None:
+        options["cuda_graph_max_extend_tokens"] = args.extend_graph_tokens
     if args.model is None:
         from rollout.tiny_model import make_tiny_model
 
@@ -180,6 +185,8 @@ def main() -> None:
         ms, proc = scheduler_layer(options, args, params)
         result["scheduler_ms"] = round(ms, 3)
         result["device"] = str(proc.runner.device)
+        result["startup_s"] = round(proc.startup_s, 2)  # model, KV, graphs and warm-up
+        result["extend_graph_max_tokens"] = proc.runner.kernel_plan.extend_graph_max_tokens
         del proc
         if args.device == "cuda":
             torch.cuda.empty_cache()

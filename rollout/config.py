@@ -100,6 +100,12 @@ class KernelOptions:
     cuda_graph_max_bs: int = _opt(
         256, "largest decode batch replayed from a CUDA graph (capped by max_running_requests)"
     )
+    cuda_graph_max_extend_tokens: int = _opt(
+        512,
+        "largest extend (prefill, chunk or turn over a cached prefix) replayed from a CUDA "
+        "graph, in new tokens over at most 32 requests (capped by chunked_prefill_size); "
+        "0: every extend runs eagerly",
+    )
     enable_deterministic_inference: bool = _opt(
         False,
         "batch-invariant kernels on the whole forward (GEMMs, norms, one attention kernel for "
@@ -133,6 +139,10 @@ class KernelOptions:
             )
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_max_extend_tokens < 0:
+            raise ValueError(
+                f"cuda_graph_max_extend_tokens must be >= 0, got {self.cuda_graph_max_extend_tokens}"
+            )
 
 
 @dataclass(frozen=True)

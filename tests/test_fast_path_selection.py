@@ -14,6 +14,7 @@ import torch
 
 from rollout.config import SKINNY_GEMM_MAX_ROWS, EngineOptions, KernelOptions, option_fields
 from rollout.engine.cuda_graph_runner import graph_batch_sizes, padded_size
+from rollout.engine.extend_graph_runner import extend_bucket, extend_token_buckets
 from rollout.forward import attention
 from rollout.forward.attention import DecodeChoice
 from rollout.forward.attention.flashinfer_backend import (
@@ -189,6 +190,47 @@ def test_the_registry_says_what_each_backend_class_says_about_graphs():
     classes["flashinfer"] = FlashInferAttentionBackend  # builds only where flashinfer imports
     for name, cls in classes.items():
         assert attention.BACKENDS[name].cuda_graph is cls.supports_cuda_graph, name
+        assert attention.BACKENDS[name].extend_graph is cls.supports_extend_graph, name
+
+
+def test_short_extends_replay_graphs_where_flashinfer_runs_them(packages):
+    packages("flashinfer", "triton")
+    assert plan_for(CUDA, torch.bfloat16).extend_graph_max_tokens == 512
+    assert plan_for(CUDA, torch.bfloat16, cuda_graph_max_extend_tokens=100).extend_graph_max_tokens == 100
+    # No extend is longer than a chunk.
+    assert plan_for(CUDA, torch.bfloat16, chunked_prefill_size=64).extend_graph_max_tokens == 64
+    off = [
+        {"cuda_graph_max_extend_tokens": 0},
+        {"disable_cuda_graph": True},
+        {"enable_lora": True},  # adapters' segments are planned per extend on the host
+        {"attention_backend": "triton"},  # its extend is not captured
+        {"tp_size": 2, "enable_flashinfer_allreduce_fusion": True},
+    ]
+    for options in off:
+        assert plan_for(CUDA, torch.bfloat16, **options).extend_graph_max_tokens == 0, options
+    assert plan_for(CPU, torch.float32).extend_graph_max_tokens == 0
+    with pytest.raises(ValueError, match="cuda_graph_max_extend_tokens must be >= 0, got -1"):
+        plan_for(CUDA, torch.bfloat16, cuda_graph_max_extend_tokens=-1)
+
+
+def test_extend_buckets_keep_padding_under_half_and_hold_every_batch_up_to_the_bound():
+    assert extend_token_buckets(512) == [8, 16, 32, 64, 128, 192, 256, 384, 512]
+    assert extend_token_buckets(100) == [8, 16, 32, 64, 100]
+    assert extend_token_buckets(8) == [8]
+    assert extend_token_buckets(5) == [5]
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        extend_token_buckets(0)
+    buckets = extend_token_buckets(512)
+    for tokens in range(1, 513):
+        for requests in (1, min(tokens, 32)):
+            got = extend_bucket(buckets, 32, requests, tokens)
+            assert got is not None and tokens <= got and min(32, got) >= requests
+            smaller = [b for b in buckets if b < got]
+            assert not smaller or smaller[-1] < tokens
+            assert got == 8 or got - tokens < got // 2
+    assert extend_bucket(buckets, 32, 1, 513) is None  # past the largest: eager
+    assert extend_bucket(buckets, 32, 33, 100) is None  # more requests than a graph holds
+    assert extend_bucket(buckets, 4, 5, 100) is None  # the bound is the runner's
 
 
 def test_plan_reads_as_one_line_and_a_json_dict(packages):
@@ -201,11 +243,11 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
         "cuda_graphs": True, "cuda_graph_max_bs": 256, "sampling_kernel": True,
         "sampling_kernel_min_rows": 32, "deterministic_inference": False,
         "sampling_per_filter_set": False, "logprob_kernel": True,
-        "allreduce_fusion": False, "programmatic_launch": False,
+        "allreduce_fusion": False, "programmatic_launch": False, "extend_graph_max_tokens": 512,
     }  # fmt: skip
     assert str(plan) == (
         "attention flashinfer, decode triton up to batch 32, fused kernels on, skinny GEMM up to "
-        "16 rows, CUDA graphs up to batch 256, sampling kernel"
+        "16 rows, CUDA graphs up to batch 256 and extends up to 512 tokens, sampling kernel"
     )
 
 
@@ -310,7 +352,8 @@ def test_options_validate_backend_and_graph_size():
     assert routing == [
         "attention_backend", "decode_attention_backend", "triton_decode_max_batch",
         "skinny_gemm_max_rows", "disable_cuda_graph", "disable_pdl", "cuda_graph_max_bs",
-        "enable_deterministic_inference", "enable_flashinfer_allreduce_fusion",
+        "cuda_graph_max_extend_tokens", "enable_deterministic_inference",
+        "enable_flashinfer_allreduce_fusion",
     ]  # fmt: skip
     assert set(routing) <= set(flat) and len(flat) == len(set(flat))
     with pytest.raises(ValueError, match="attention_backend must be one of"):

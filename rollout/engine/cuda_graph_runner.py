@@ -64,11 +64,13 @@ class CudaGraphRunner:
         max_batch_size: int,
         device: torch.device,
         lora: LoraBatch | None = None,
+        pool=None,
     ) -> None:
         """Captures graphs for decode batches of up to max_batch_size rows (the KernelPlan's
         cuda_graph_max_bs); larger batches are not this runner's (can_replay says no). With
         `lora` (the model's layers have adapter slots), the graphs run the LoRA layers for
-        every replay: the runner prepares each step's rows before replaying."""
+        every replay: the runner prepares each step's rows before replaying. `pool`: a graph
+        memory pool to share (the extend graphs')."""
         if not backend.supports_cuda_graph:
             raise ValueError(f"{type(backend).__name__} cannot run inside a CUDA graph")
         self.model = model
@@ -77,6 +79,7 @@ class CudaGraphRunner:
         self.req_to_token = req_to_token
         self.device = device
         self.lora = lora
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         self.sizes = graph_batch_sizes(max_batch_size)
         n = self.sizes[-1]
         if lora is not None and lora.max_tokens < n:
@@ -117,7 +120,6 @@ class CudaGraphRunner:
     def capture(self) -> None:
         start = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
-        pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.sizes):
             fb = self._static_batch(bs)
             self.backend.prepare_graph(bs, None)
@@ -130,7 +132,7 @@ class CudaGraphRunner:
                 self.model(fb.input_ids, fb.positions, fb)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with memory_regions.cuda_graph(graph, pool, stream, self.device):
+            with memory_regions.cuda_graph(graph, self.pool, stream, self.device):
                 out = self.model(fb.input_ids, fb.positions, fb)
             self.graphs[bs], self.outputs[bs] = graph, out
         torch.cuda.synchronize(self.device)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from rollout.config import EngineOptions
 from rollout.engine.cuda_graph_runner import CudaGraphRunner
 from rollout.engine.device_ints import to_device
+from rollout.engine.extend_graph_runner import ExtendGraphRunner
 from rollout.engine.launched_step import LaunchedStep, LogitRow, ReqStepOutput
 from rollout.engine.logprob_head import LogprobHead
 from rollout.engine.lora_manager import LoraManager
@@ -141,11 +142,18 @@ class ModelRunner:
             )
             self.model.model.defer_all_reduces(all_reduce)
         self.graph_runner: CudaGraphRunner | None = None
+        self.extend_graphs: ExtendGraphRunner | None = None
+        pool = torch.cuda.graph_pool_handle() if plan.cuda_graphs else None
+        if plan.extend_graph_max_tokens:  # first: their activations are the larger ones
+            self.extend_graphs = ExtendGraphRunner(
+                self.model, self.attn_backend, self.kv_pool, self.req_to_token.table,
+                plan.extend_graph_max_tokens, self.req_to_token.max_reqs - 1, self.device, pool,
+            )  # fmt: skip
         if plan.cuda_graphs:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.attn_backend, self.kv_pool, self.req_to_token.table,
                 plan.cuda_graph_max_bs, self.device,
-                None if self.lora is None else self.lora.slots.batch,
+                None if self.lora is None else self.lora.slots.batch, pool,
             )  # fmt: skip
 
     def _kv_slots(self, options: EngineOptions, layers: int, kv_heads: int, head_dim: int) -> int:
@@ -320,5 +328,7 @@ class ModelRunner:
         """Hidden states of fb's tokens, [T, hidden]: from a CUDA graph where one fits."""
         if self.graph_runner is not None and self.graph_runner.can_replay(fb):
             return self.graph_runner.replay(fb)
+        if self.extend_graphs is not None and self.extend_graphs.can_replay(fb):
+            return self.extend_graphs.replay(fb)
         self.attn_backend.prepare(fb)
         return self.model(fb.input_ids, fb.positions, fb)

@@ -106,10 +106,15 @@ def _phases(
     fits = (largest + 1) * (PROMPT_TOKENS + 2) <= runner.num_slots // 2
     if largest < options.scheduler.max_running_requests and fits:
         yield [request(prompts[i % rows], temperature=1.0) for i in range(largest + 1)]
+    # An extend past the largest extend graph runs eagerly: one prompt that long.
+    sched = options.scheduler
+    bound = min(room, sched.chunked_prefill_size, sched.max_prefill_tokens, runner.num_slots // 2)
+    if runner.extend_graphs is not None and runner.extend_graphs.buckets[-1] < bound:
+        long = runner.extend_graphs.buckets[-1] + 1
+        yield [request([(5 + 11 * i) % vocab for i in range(long)])]  # nothing of it cached
     # With the all-reduce fused into the norms, a step of more rows than the fused kernel
     # takes runs the all-reduce and the norm's own kernel apart: one prefill that long.
     if runner.kernel_plan.allreduce_fusion:
         long = FUSED_MAX_TOKENS + 1
-        sched = options.scheduler
-        if long <= min(room, sched.chunked_prefill_size, sched.max_prefill_tokens, runner.num_slots // 2):
+        if long <= bound:
             yield [request([(11 + 17 * i) % vocab for i in range(long)])]  # nothing of it cached

@@ -69,6 +69,9 @@ class KernelPlan:
     # The Triton kernels launched with programmatic dependent launch (rollout_kernels.pdl):
     # on a GPU of compute capability 9.0 or later unless disable_pdl.
     programmatic_launch: bool = False
+    # Extends of up to this many new tokens replayed from CUDA graphs (engine/
+    # extend_graph_runner.py); 0: every extend runs eagerly.
+    extend_graph_max_tokens: int = 0
 
     @property
     def decode_attention(self) -> DecodeChoice:
@@ -84,6 +87,8 @@ class KernelPlan:
 
     def __str__(self) -> str:
         graphs = f"up to batch {self.cuda_graph_max_bs}" if self.cuda_graphs else "off"
+        if self.extend_graph_max_tokens:
+            graphs += f" and extends up to {self.extend_graph_max_tokens} tokens"
         skinny = f"up to {self.skinny_gemm_max_rows} rows" if self.skinny_gemm_max_rows else "off"
         fused = "on" if self.fused_kernels else "off"
         sampling = "kernel" if self.sampling_kernel else "torch"
@@ -124,6 +129,7 @@ def resolve_kernel_plan(
         and attention.supports_cuda_graph(extend, decode)
     )
     max_bs = _graph_max_bs(options)
+    fusion = _allreduce_fusion(options, device, dtype)
     return KernelPlan(
         attention_backend=extend,
         decode_backend=decode.backend,
@@ -136,9 +142,20 @@ def resolve_kernel_plan(
         sampling_kernel=fused,
         sampling_kernel_min_rows=SAMPLING_KERNEL_MIN_ROWS,
         logprob_kernel=fused and device.type == "cuda",
-        allreduce_fusion=_allreduce_fusion(options, device, dtype),
+        allreduce_fusion=fusion,
         programmatic_launch=fused and _pdl_supported(options, device),
+        extend_graph_max_tokens=_extend_graph_max_tokens(options, extend, graphs, fusion),
     )
+
+
+def _extend_graph_max_tokens(options: EngineOptions, extend: str, graphs: bool, fusion: bool) -> int:
+    """The largest extend replayed from a graph: cuda_graph_max_extend_tokens, capped by the
+    longest chunk; 0 without decode graphs, where the extend backend cannot be captured, with
+    adapters (their per-request segments are planned on the host for each extend) or with the
+    all-reduce fused into the norms (its extends were never captured)."""
+    if not graphs or fusion or options.lora.enable_lora or not attention.supports_extend_graph(extend):
+        return 0
+    return min(options.kernels.cuda_graph_max_extend_tokens, options.scheduler.chunked_prefill_size)
 
 
 def _pdl_supported(options: EngineOptions, device: torch.device) -> bool:

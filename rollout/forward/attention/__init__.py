@@ -28,6 +28,7 @@ class BackendEntry:
     dtypes: tuple[torch.dtype, ...] | None = None  # None: any dtype
     head_dims: tuple[int, ...] | None = None  # None: any head size
     cuda_graph: bool = False  # the backend's supports_cuda_graph
+    extend_graph: bool = False  # the backend's supports_extend_graph
 
 
 def _torch(shape: AttentionShape | None) -> AttentionBackend:
@@ -64,7 +65,7 @@ BACKENDS: dict[str, BackendEntry] = {
     # sizes; others fail inside the kernel's dispatch at the first batch that reaches them.
     "flashinfer": BackendEntry(
         _flashinfer, package="flashinfer", gpu_only=True, dtypes=HALF_DTYPES,
-        head_dims=(64, 128, 256), cuda_graph=True,
+        head_dims=(64, 128, 256), cuda_graph=True, extend_graph=True,
     ),
     "triton": BackendEntry(_triton, package="triton", gpu_only=True, cuda_graph=True),
     # Chosen by enable_deterministic_inference only; on the CPU under TRITON_INTERPRET=1.
@@ -123,6 +124,11 @@ def supports_cuda_graph(name: str, decode: DecodeChoice) -> bool:
     return BACKENDS[decode.backend].cuda_graph and extend_ok
 
 
+def supports_extend_graph(name: str) -> bool:
+    """Whether backend `name`'s extend (it runs every extend) can run inside CUDA graphs."""
+    return BACKENDS[name].extend_graph
+
+
 def create_attention_backend(
     name: str, shape: AttentionShape | None = None, decode: DecodeChoice | str | None = None
 ) -> AttentionBackend:
@@ -152,4 +158,5 @@ __all__ = [
     "DecodeChoice",
     "create_attention_backend",
     "supports_cuda_graph",
+    "supports_extend_graph",
 ]

@@ -75,6 +75,8 @@ class GraphRows:
 class AttentionBackend(ABC):
     # Backends whose decode can be captured in a CUDA graph set this and implement prepare_graph.
     supports_cuda_graph = False
+    # Backends whose extend can be captured set this and implement prepare_extend_graph.
+    supports_extend_graph = False
 
     def prepare(self, fb: ForwardBatch) -> None:
         """Called once per forward before any layer runs: build per-batch metadata here."""
@@ -85,6 +87,15 @@ class AttentionBackend(ABC):
         rows are fb's requests; the rest are padding that attends to KV slot 0 only. Whatever
         the captured kernels read must sit at addresses fixed per padded_batch_size."""
         raise NotImplementedError(f"{type(self).__name__} cannot run inside a CUDA graph")
+
+    def prepare_extend_graph(self, tokens: int, requests: int, fb: ForwardBatch | None) -> None:
+        """Instead of `prepare`, before an extend of `tokens` new tokens (a bucket's size) over
+        `requests` request slots is captured into (fb None: every token is padding) or replayed
+        from a CUDA graph. fb's requests take the first slots and the first sum(extend_lens)
+        tokens; the remaining tokens are padding whose K/V go to slot 0, which they alone
+        attend to; the slots between hold no tokens. Whatever the captured kernels read must
+        sit at addresses fixed per (tokens, requests)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot capture an extend")
 
     @abstractmethod
     def forward(

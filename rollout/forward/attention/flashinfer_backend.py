@@ -65,6 +65,7 @@ def kv_indices(fb: ForwardBatch, total: int) -> torch.Tensor:
 
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_extend_graph = True
 
     def __init__(self, shape: AttentionShape) -> None:
         try:
@@ -88,6 +89,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph_wrappers: dict[int, object] = {}
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._decode = self.decode_wrapper  # the wrapper planned for the next decode
+        self._extend = self.extend_wrapper  # ... and for the next extend
+        self._extend_graph_wrappers: dict[tuple[int, int], object] = {}
+        self._extend_graph_buffers: tuple[torch.Tensor, ...] | None = None
+        self._extend_graph_max = (0, 0)  # (tokens, requests) the buffers were sized for
         self._plan_copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> after its last plan
 
     # ---- per-forward plans ----------------------------------------------------------------
@@ -143,6 +148,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 causal=True,
                 **self._plan_args(),
             )
+            self._extend = self.extend_wrapper
 
     def prepare_graph(self, padded_batch_size: int, fb: ForwardBatch | None) -> None:
         wrapper = self._graph_wrapper(padded_batch_size)
@@ -194,6 +200,76 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
         return self._graph_wrappers[batch_size]
 
+    def prepare_extend_graph(self, tokens: int, requests: int, fb: ForwardBatch | None) -> None:
+        wrapper = self._extend_graph_wrapper(tokens, requests)
+        real = 0 if fb is None else fb.batch_size
+        used = 0 if fb is None else sum(fb.extend_lens_cpu)
+        if real > requests or used > tokens:
+            raise ValueError(
+                f"an extend of {real} requests and {used} tokens exceeds the graph's "
+                f"{requests} requests and {tokens} tokens"
+            )
+        # fb's requests, empty slots up to `requests`, then one request of the padding tokens
+        # over as many copies of slot 0 (causal, each attends to slot 0 only).
+        pad, empty = tokens - used, [0] * (requests - real)
+        seq_lens = ([] if fb is None else fb.seq_lens_cpu) + empty + [pad]
+        extend_lens = ([] if fb is None else fb.extend_lens_cpu) + empty + [pad]
+        indptr = host_indptr(seq_lens)
+        pad_slots = torch.zeros(pad, dtype=torch.int32, device=self.shape.device)
+        indices = (
+            pad_slots if fb is None else torch.cat([kv_indices(fb, int(indptr[real])), pad_slots])
+        )
+        self._plan(
+            wrapper,
+            host_indptr(extend_lens),
+            indptr,
+            indices,
+            self._ones[: requests + 1],
+            head_dim_qk=self.shape.head_dim,
+            causal=True,
+            **self._plan_args(),
+        )
+        self._extend = wrapper
+
+    def _extend_graph_wrapper(self, tokens: int, requests: int):
+        """The prefill wrapper whose plan lives at fixed addresses, one per captured (tokens,
+        requests); all share one set of buffers (only one is planned and replayed at a time).
+        FlashInfer fixes a graph wrapper's request count and its most tokens at its first
+        plan, the capture's."""
+        if requests + 1 > self._ones.shape[0]:
+            raise ValueError(
+                f"an extend graph of {requests} requests exceeds max_batch_size "
+                f"{self.shape.max_batch_size}"
+            )
+        key = (tokens, requests)
+        if key not in self._extend_graph_wrappers:
+            n = requests + 1  # and the padding request
+            if self._extend_graph_buffers is None:
+                dev = self.shape.device
+                self._extend_graph_buffers = (
+                    torch.zeros(n + 1, dtype=torch.int32, device=dev),  # qo indptr
+                    torch.zeros(n + 1, dtype=torch.int32, device=dev),  # kv indptr
+                    # Each request's whole context (prefixes are shared), and the padding's.
+                    torch.zeros(requests * self.shape.max_context_len + tokens, dtype=torch.int32, device=dev),
+                    torch.ones(n, dtype=torch.int32, device=dev),  # last page lengths
+                )
+                self._extend_graph_max = key
+            most_tokens, most_requests = self._extend_graph_max
+            if tokens > most_tokens or requests > most_requests:
+                raise ValueError("extend graphs must be made largest first: they share buffers")
+            qo, kv, indices, last = self._extend_graph_buffers
+            self._extend_graph_wrappers[key] = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=qo[: n + 1],
+                paged_kv_indptr_buf=kv[: n + 1],
+                paged_kv_indices_buf=indices,
+                paged_kv_last_page_len_buf=last[:n],
+                backend=_KERNELS,
+            )
+        return self._extend_graph_wrappers[key]
+
     # ---- per-layer ---------------------------------------------------------------------------
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch,
@@ -211,4 +287,4 @@ class FlashInferAttentionBackend(AttentionBackend):
         cache = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
         if fb.mode is ForwardMode.DECODE:
             return self._decode.run(q, cache)
-        return self.extend_wrapper.run(q, cache)
+        return self._extend.run(q, cache)

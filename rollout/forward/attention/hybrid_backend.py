@@ -30,6 +30,7 @@ class HybridAttentionBackend(AttentionBackend):
         self.supports_cuda_graph = decode.supports_cuda_graph and (
             decode_max_batch is None or extend.supports_cuda_graph
         )
+        self.supports_extend_graph = extend.supports_extend_graph
 
     def _decode_for(self, batch_size: int) -> AttentionBackend:
         small = self.decode_max_batch is None or batch_size <= self.decode_max_batch
@@ -43,6 +44,9 @@ class HybridAttentionBackend(AttentionBackend):
 
     def prepare_graph(self, padded_batch_size: int, fb: ForwardBatch | None) -> None:
         self._decode_for(padded_batch_size).prepare_graph(padded_batch_size, fb)
+
+    def prepare_extend_graph(self, tokens: int, requests: int, fb: ForwardBatch | None) -> None:
+        self.extend.prepare_extend_graph(tokens, requests, fb)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch,
