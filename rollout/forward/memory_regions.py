@@ -8,6 +8,7 @@ re-creates what it must (the KV pool) and keeps the rest (CPU weights).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 from collections.abc import Iterator
@@ -36,7 +37,20 @@ def _memory_saver(device: torch.device) -> Any:
         # NOTE: must be set before the first region() call, which initialises the hooks.
         torch_memory_saver.hook_mode = "torch"
         _saver = torch_memory_saver
+        atexit.register(_exit_inside_a_region, torch_memory_saver)
     return _saver
+
+
+def _exit_inside_a_region(saver: Any) -> None:
+    """torch-memory-saver's hook ends the process with status 1 when memory it allocated is
+    freed outside a region, which its pools (and the graphs') do as the interpreter tears them
+    down: every GPU process that used a region exited with status 1 after finishing its work.
+    At exit, frees on the main thread (where the teardown runs) count as inside a region."""
+    impl = getattr(saver, "_impl", None)
+    cdll = getattr(getattr(impl, "_binary_wrapper", None), "cdll", None)
+    if cdll is None or not hasattr(cdll, "tms_set_interesting_region"):
+        return  # not initialised (no region was used), or a version without the flag
+    cdll.tms_set_interesting_region(True)
 
 
 def is_releasable(device: torch.device) -> bool:
