@@ -4,10 +4,12 @@ of bucket, cached prefixes, prompt logprobs, and decodes running beside them.
 
 The scheduler runs in-process twice over the same requests (bfloat16, tiny checkpoints with the
 real models' head size 128): with extend graphs (the default) and with
-cuda_graph_max_extend_tokens=0. A graph's FlashInfer plan always splits the keys, an eager one
-only where it pays, so logprobs may differ by rounding: the comparison allows GRAPH_TOL, and a
-token may differ only past a near tie (as tests/test_gpu_fast_path.py allows between a decode
-graph and eager decode).
+cuda_graph_max_extend_tokens=0. A graph's FlashInfer plan fixes its query tile by the bucket
+(the smallest tile where the bucket has as many request slots as tokens) and always splits the
+keys; an eager plan sizes the tile by the batch's mean query length. FlashInfer rounds the
+softmax weights to bf16 per tile, so logprobs move by rounding (0.029 seen on the H100 between
+the two for a first token): the comparison allows GRAPH_TOL, and a token may differ only past
+a near tie.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-GRAPH_TOL, GRAPH_TIE = 0.02, 0.04
+GRAPH_TOL, GRAPH_TIE = 0.06, 0.12
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

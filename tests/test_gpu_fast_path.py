@@ -100,7 +100,9 @@ def runs(tiny_128) -> dict[str, list[dict]]:
     return {
         "torch": _generate(tiny_128, attention_backend="torch"),
         "eager": _generate(tiny_128, **mixed, disable_cuda_graph=True),
-        "graphs": _generate(tiny_128, **mixed, cuda_graph_max_bs=16),
+        # Decode graphs alone: extends replayed from graphs plan their attention tiles
+        # otherwise (tests/test_gpu_extend_graphs.py compares those with eager extends).
+        "graphs": _generate(tiny_128, **mixed, cuda_graph_max_bs=16, cuda_graph_max_extend_tokens=0),
         "fi-graphs": _generate(tiny_128, **flashinfer_decode, cuda_graph_max_bs=16),
     }
 

@@ -64,13 +64,11 @@ class CudaGraphRunner:
         max_batch_size: int,
         device: torch.device,
         lora: LoraBatch | None = None,
-        pool=None,
     ) -> None:
         """Captures graphs for decode batches of up to max_batch_size rows (the KernelPlan's
         cuda_graph_max_bs); larger batches are not this runner's (can_replay says no). With
         `lora` (the model's layers have adapter slots), the graphs run the LoRA layers for
-        every replay: the runner prepares each step's rows before replaying. `pool`: a graph
-        memory pool to share (the extend graphs')."""
+        every replay: the runner prepares each step's rows before replaying."""
         if not backend.supports_cuda_graph:
             raise ValueError(f"{type(backend).__name__} cannot run inside a CUDA graph")
         self.model = model
@@ -79,7 +77,7 @@ class CudaGraphRunner:
         self.req_to_token = req_to_token
         self.device = device
         self.lora = lora
-        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        self.pool = torch.cuda.graph_pool_handle()  # the extend graphs share it
         self.sizes = graph_batch_sizes(max_batch_size)
         n = self.sizes[-1]
         if lora is not None and lora.max_tokens < n:

@@ -143,17 +143,17 @@ class ModelRunner:
             self.model.model.defer_all_reduces(all_reduce)
         self.graph_runner: CudaGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None
-        pool = torch.cuda.graph_pool_handle() if plan.cuda_graphs else None
-        if plan.extend_graph_max_tokens:  # first: their activations are the larger ones
-            self.extend_graphs = ExtendGraphRunner(
-                self.model, self.attn_backend, self.kv_pool, self.req_to_token.table,
-                plan.extend_graph_max_tokens, self.req_to_token.max_reqs - 1, self.device, pool,
-            )  # fmt: skip
         if plan.cuda_graphs:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.attn_backend, self.kv_pool, self.req_to_token.table,
                 plan.cuda_graph_max_bs, self.device,
-                None if self.lora is None else self.lora.slots.batch, pool,
+                None if self.lora is None else self.lora.slots.batch,
+            )  # fmt: skip
+        if plan.extend_graph_max_tokens:  # in the decode graphs' memory pool
+            self.extend_graphs = ExtendGraphRunner(
+                self.model, self.attn_backend, self.kv_pool, self.req_to_token.table,
+                plan.extend_graph_max_tokens, self.req_to_token.max_reqs - 1, self.device,
+                self.graph_runner.pool,
             )  # fmt: skip
 
     def _kv_slots(self, options: EngineOptions, layers: int, kv_heads: int, head_dim: int) -> int:
