@@ -204,7 +204,7 @@ def test_short_extends_replay_graphs_where_flashinfer_runs_them(packages):
         {"disable_cuda_graph": True},
         {"enable_lora": True},  # adapters' segments are planned per extend on the host
         {"attention_backend": "triton"},  # its extend is not captured
-        {"tp_size": 2, "enable_flashinfer_allreduce_fusion": True},
+        {"tp_size": 2},  # not yet run on two GPUs
     ]
     for options in off:
         assert plan_for(CUDA, torch.bfloat16, **options).extend_graph_max_tokens == 0, options

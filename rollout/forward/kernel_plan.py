@@ -129,7 +129,6 @@ def resolve_kernel_plan(
         and attention.supports_cuda_graph(extend, decode)
     )
     max_bs = _graph_max_bs(options)
-    fusion = _allreduce_fusion(options, device, dtype)
     return KernelPlan(
         attention_backend=extend,
         decode_backend=decode.backend,
@@ -142,18 +141,19 @@ def resolve_kernel_plan(
         sampling_kernel=fused,
         sampling_kernel_min_rows=SAMPLING_KERNEL_MIN_ROWS,
         logprob_kernel=fused and device.type == "cuda",
-        allreduce_fusion=fusion,
+        allreduce_fusion=_allreduce_fusion(options, device, dtype),
         programmatic_launch=fused and _pdl_supported(options, device),
-        extend_graph_max_tokens=_extend_graph_max_tokens(options, extend, graphs, fusion),
+        extend_graph_max_tokens=_extend_graph_max_tokens(options, extend, graphs),
     )
 
 
-def _extend_graph_max_tokens(options: EngineOptions, extend: str, graphs: bool, fusion: bool) -> int:
+def _extend_graph_max_tokens(options: EngineOptions, extend: str, graphs: bool) -> int:
     """The largest extend replayed from a graph: cuda_graph_max_extend_tokens, capped by the
     longest chunk; 0 without decode graphs, where the extend backend cannot be captured, with
-    adapters (their per-request segments are planned on the host for each extend) or with the
-    all-reduce fused into the norms (its extends were never captured)."""
-    if not graphs or fusion or options.lora.enable_lora or not attention.supports_extend_graph(extend):
+    adapters (their per-request segments are planned on the host for each extend), or with
+    tensor parallelism (its ranks' captured extends have not run on GPUs yet)."""
+    tp = options.parallel.tp_size > 1
+    if not graphs or tp or options.lora.enable_lora or not attention.supports_extend_graph(extend):
         return 0
     return min(options.kernels.cuda_graph_max_extend_tokens, options.scheduler.chunked_prefill_size)
 
