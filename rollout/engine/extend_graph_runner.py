@@ -2,9 +2,8 @@
 
 An extend of a few hundred tokens (a turn of a multi-turn rollout over its cached history, a
 short prompt) runs the same hundreds of kernels as a decode step, and launched one by one from
-Python they take longer than they run: a 4-token prompt's prefill kept the host busy ~15 ms
-while the device worked ~1.3 ms of it (benchmarks/RESULTS.md, twenty-fourth session). A graph
-launches the whole forward at once.
+Python they take several times longer than they run (benchmarks/RESULTS.md, twenty-fourth
+session). A graph launches the whole forward at once.
 
 A graph holds `tokens` new tokens over `requests` request slots. An extend of T tokens over B
 requests replays the smallest bucket with tokens >= T (and requests >= B): its requests take the
