@@ -93,7 +93,10 @@ def profile(run, ids_list: list[list[int]], cuda: bool) -> None:
     for ids in ids_list:
         run(ids)
     profiler.disable()
-    print(f"--- host time of {len(ids_list)} requests in-process (cProfile, by own time)", file=sys.stderr)
+    print(
+        f"--- host time of {len(ids_list)} requests in-process (cProfile, by own time)",
+        file=sys.stderr,
+    )
     pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(20)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
@@ -144,8 +147,12 @@ def http_layer(options: dict, args, params: dict, tmp: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help=f"checkpoint dir or one of {sorted(REAL_CONFIGS)}; default: tiny (CPU)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", help=f"checkpoint dir or one of {sorted(REAL_CONFIGS)}; default: tiny (CPU)"
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--prompt-len", type=int, default=4)
@@ -153,8 +160,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100, help="counted requests per layer")
     parser.add_argument("--layers", nargs="+", default=["scheduler", "engine", "http"],
                         choices=["scheduler", "engine", "http"])  # fmt: skip
-    parser.add_argument("--profile", action="store_true", help="cProfile and torch.profiler of the in-process layer")
-    parser.add_argument("--extend-graph-tokens", type=int, help="cuda_graph_max_extend_tokens (0: eager extends)")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile and torch.profiler of the in-process layer"
+    )
+    parser.add_argument(
+        "--extend-graph-tokens", type=int, help="cuda_graph_max_extend_tokens (0: eager extends)"
+    )
     args = parser.parse_args()
     if args.prompt_len < 1 or args.new_tokens < 1 or args.requests < 1:
         parser.error("--prompt-len, --new-tokens and --requests must be >= 1")
@@ -174,13 +185,19 @@ def main() -> None:
     elif os.path.isdir(args.model):
         options["model_path"] = args.model
     elif args.model.lower() in REAL_CONFIGS:
-        options["model_path"] = write_config_checkpoint(args.model.lower(), os.path.join(tmp, "model"))
+        options["model_path"] = write_config_checkpoint(
+            args.model.lower(), os.path.join(tmp, "model")
+        )
         options["load_format"] = "dummy"
     else:
         parser.error(f"--model must be a checkpoint directory or one of {sorted(REAL_CONFIGS)}")
     params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
 
-    result = {"model": args.model or "tiny", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+    result = {
+        "model": args.model or "tiny",
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+    }
     if "scheduler" in args.layers:
         ms, proc = scheduler_layer(options, args, params)
         result["scheduler_ms"] = round(ms, 3)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollout.config import SKINNY_GEMM_MAX_ROWS, EngineOptions, KernelOptions, option_fields
-from rollout.engine.cuda_graph_runner import graph_batch_sizes, padded_size
+from rollout.engine.cuda_graph_runner import GraphInputs, graph_batch_sizes, padded_size
 from rollout.engine.extend_graph_runner import extend_bucket, extend_token_buckets
 from rollout.forward import attention
 from rollout.forward.attention import DecodeChoice
@@ -511,3 +511,21 @@ def test_kernels_launch_with_pdl_on_hopper_gpus_unless_disabled(packages, monkey
     assert not plan_for(CPU, torch.float32).programmatic_launch
     monkeypatch.setattr(kernel_plan, "gpu_capability", lambda device: (8, 0))  # an A100
     assert not plan_for(CUDA, torch.bfloat16).programmatic_launch
+
+
+def test_graph_inputs_hold_the_batch_then_padding_that_writes_slot_0():
+    """A replay's inputs: the batch's tokens first, then padding whose KV goes to slot 0 even
+    where a longer batch before it left its slots (now maybe another request's)."""
+    inputs = GraphInputs(16, CPU)
+
+    def batch(ids: list[int], slots: list[int]):
+        ints = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        positions = ints(range(len(ids)))
+        return types.SimpleNamespace(input_ids=ints(ids), positions=positions, out_cache_loc=ints(slots))
+
+    inputs.fill(batch([5, 6, 7, 8, 9, 10], [21, 22, 23, 24, 25, 26]), rows=8)
+    assert inputs.out_cache_loc[:8].tolist() == [21, 22, 23, 24, 25, 26, 0, 0]
+    inputs.fill(batch([40, 41], [31, 32]), rows=8)
+    assert inputs.input_ids[:2].tolist() == [40, 41]
+    assert inputs.positions[:2].tolist() == [0, 1]
+    assert inputs.out_cache_loc[:8].tolist() == [31, 32, 0, 0, 0, 0, 0, 0]

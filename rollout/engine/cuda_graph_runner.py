@@ -54,6 +54,43 @@ def padded_size(sizes: list[int], batch_size: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+class GraphInputs:
+    """The token inputs of a runner's graphs at fixed addresses: each graph reads the first
+    rows of its size. Zeros are valid padding everywhere (token 0, position 0, KV slot 0)."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    def fill(self, fb: ForwardBatch, rows: int) -> None:
+        """fb's tokens in the first rows, for a graph of `rows` rows."""
+        t = fb.input_ids.shape[0]
+        self.input_ids[:t].copy_(fb.input_ids)
+        self.positions[:t].copy_(fb.positions)
+        self.out_cache_loc[:t].copy_(fb.out_cache_loc)
+        # NOTE: rows t..rows may hold a previous batch's slots, now someone else's: pad with 0.
+        self.out_cache_loc[t:rows].zero_()
+
+
+def capture_forward(
+    model: nn.Module, fb: ForwardBatch, stream: torch.cuda.Stream, pool
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of model's forward over fb (its backend prepared for the capture), and the
+    output tensor each replay writes."""
+    device = fb.input_ids.device
+    # One eager run on the capture stream first: lazy initialisation (cuBLAS workspaces, kernel
+    # loading and compiles for these shapes) is not allowed while capturing.
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        model(fb.input_ids, fb.positions, fb)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with memory_regions.cuda_graph(graph, pool, stream, device):
+        out = model(fb.input_ids, fb.positions, fb)
+    return graph, out
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -87,11 +124,7 @@ class CudaGraphRunner:
             )
         # Captured base-only: a graph runs the LoRA layers for any later mix of adapters.
         self.no_adapters = torch.full((n,), -1, dtype=torch.int32)  # on the host, as a step's
-        # Static inputs: every graph reads its first rows. Zeros are valid padding everywhere
-        # (token 0, position 0, KV slot 0).
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
+        self.inputs = GraphInputs(n, device)
         self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=device)
         self.ones = torch.ones(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -101,9 +134,9 @@ class CudaGraphRunner:
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs],
+            input_ids=self.inputs.input_ids[:bs],
+            positions=self.inputs.positions[:bs],
+            out_cache_loc=self.inputs.out_cache_loc[:bs],
             req_pool_indices=self.req_pool_indices[:bs],
             seq_lens=self.ones[:bs],
             extend_lens=self.ones[:bs],
@@ -123,16 +156,7 @@ class CudaGraphRunner:
             self.backend.prepare_graph(bs, None)
             if self.lora is not None:
                 self.lora.prepare(self.no_adapters[:bs], active=True)
-            # One eager run on the capture stream first: lazy initialisation (cuBLAS workspaces,
-            # kernel loading) is not allowed while capturing.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self.model(fb.input_ids, fb.positions, fb)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with memory_regions.cuda_graph(graph, self.pool, stream, self.device):
-                out = self.model(fb.input_ids, fb.positions, fb)
-            self.graphs[bs], self.outputs[bs] = graph, out
+            self.graphs[bs], self.outputs[bs] = capture_forward(self.model, fb, stream, self.pool)
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s",
@@ -151,11 +175,7 @@ class CudaGraphRunner:
         b = fb.batch_size
         bs = padded_size(self.sizes, b)
         assert bs is not None, f"batch of {b} exceeds the largest graph ({self.sizes[-1]})"
-        self.input_ids[:b].copy_(fb.input_ids)
-        self.positions[:b].copy_(fb.positions)
-        self.out_cache_loc[:b].copy_(fb.out_cache_loc)
-        # NOTE: rows b..bs may hold a previous batch's slots, now someone else's: pad with 0.
-        self.out_cache_loc[b:bs].zero_()
+        self.inputs.fill(fb, bs)
         self.backend.prepare_graph(bs, fb)
         if self.lora is not None:  # the runner prepared fb's rows: pad them to the graph's
             self.lora.pad_to(bs)

@@ -25,7 +25,7 @@ import time
 import torch
 from torch import nn
 
-from rollout.forward import memory_regions
+from rollout.engine.cuda_graph_runner import GraphInputs, capture_forward
 from rollout.forward.attention.base import AttentionBackend
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout.forward.kv_pool import KVPool
@@ -87,12 +87,7 @@ class ExtendGraphRunner:
         self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         self.buckets = extend_token_buckets(max_tokens)
         self.max_requests = min(MAX_REQUESTS, max_requests)
-        n = self.buckets[-1]
-        # Static inputs: every graph reads its first tokens. Zeros are valid padding everywhere
-        # (token 0, position 0, KV slot 0).
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
+        self.inputs = GraphInputs(self.buckets[-1], device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [tokens, hidden] written by each replay
         self.capture()
@@ -105,9 +100,9 @@ class ExtendGraphRunner:
         zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
         return ForwardBatch(
             mode=ForwardMode.EXTEND,
-            input_ids=self.input_ids[:tokens],
-            positions=self.positions[:tokens],
-            out_cache_loc=self.out_cache_loc[:tokens],
+            input_ids=self.inputs.input_ids[:tokens],
+            positions=self.inputs.positions[:tokens],
+            out_cache_loc=self.inputs.out_cache_loc[:tokens],
             # Not read inside the graph (the backend's plan, made outside it, places tokens).
             req_pool_indices=zeros,
             seq_lens=zeros + tokens,
@@ -126,16 +121,9 @@ class ExtendGraphRunner:
         for tokens in reversed(self.buckets):  # largest first: the backend sizes its buffers
             fb = self._static_batch(tokens)
             self.backend.prepare_extend_graph(tokens, self.requests_of(tokens), None)
-            # One eager run on the capture stream first: lazy initialisation (cuBLAS workspaces,
-            # kernel loading and compiles for this token count) is not allowed while capturing.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self.model(fb.input_ids, fb.positions, fb)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with memory_regions.cuda_graph(graph, self.pool, stream, self.device):
-                out = self.model(fb.input_ids, fb.positions, fb)
-            self.graphs[tokens], self.outputs[tokens] = graph, out
+            self.graphs[tokens], self.outputs[tokens] = capture_forward(
+                self.model, fb, stream, self.pool
+            )
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d extend CUDA graphs (%s..%s tokens) in %.1f s",
@@ -146,7 +134,9 @@ class ExtendGraphRunner:
         """The captured token count fb replays at; None when none holds it."""
         if fb.mode is not ForwardMode.EXTEND:
             return None
-        return extend_bucket(self.buckets, self.max_requests, fb.batch_size, sum(fb.extend_lens_cpu))
+        return extend_bucket(
+            self.buckets, self.max_requests, fb.batch_size, sum(fb.extend_lens_cpu)
+        )
 
     def can_replay(self, fb: ForwardBatch) -> bool:
         return self.bucket(fb) is not None
@@ -156,12 +146,7 @@ class ExtendGraphRunner:
         fb's tokens, [T, hidden]; valid until the next replay of any graph of the pool."""
         tokens = self.bucket(fb)
         assert tokens is not None, "no extend graph holds this batch"
-        t = fb.input_ids.shape[0]
-        self.input_ids[:t].copy_(fb.input_ids)
-        self.positions[:t].copy_(fb.positions)
-        self.out_cache_loc[:t].copy_(fb.out_cache_loc)
-        # NOTE: tokens t.. may hold a previous batch's slots, now someone else's: pad with 0.
-        self.out_cache_loc[t:tokens].zero_()
+        self.inputs.fill(fb, tokens)
         self.backend.prepare_extend_graph(tokens, self.requests_of(tokens), fb)
         self.graphs[tokens].replay()
-        return self.outputs[tokens][:t]
+        return self.outputs[tokens][: fb.input_ids.shape[0]]

@@ -156,19 +156,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         pad = padded_batch_size - real
         lengths = ([] if fb is None else fb.seq_lens_cpu) + [1] * pad
         indptr = host_indptr(lengths)
-        pad_slots = torch.zeros(pad, dtype=torch.int32, device=self.shape.device)
-        indices = (
-            pad_slots if fb is None else torch.cat([kv_indices(fb, int(indptr[real])), pad_slots])
-        )
         self._plan(
             wrapper,
             indptr,
-            indices,
+            self._padded_kv_indices(fb, int(indptr[real]), pad),
             self._ones[:padded_batch_size],
             head_dim=self.shape.head_dim,
             **self._plan_args(),
         )
         self._decode = wrapper
+
+    def _padded_kv_indices(self, fb: ForwardBatch | None, total: int, pad: int) -> torch.Tensor:
+        """fb's KV slots (`total` of them; fb None: none), then `pad` copies of slot 0."""
+        pad_slots = torch.zeros(pad, dtype=torch.int32, device=self.shape.device)
+        return pad_slots if fb is None else torch.cat([kv_indices(fb, total), pad_slots])
 
     def _graph_wrapper(self, batch_size: int):
         """The decode wrapper whose plan lives at fixed addresses, one per captured batch size;
@@ -215,15 +216,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         seq_lens = ([] if fb is None else fb.seq_lens_cpu) + empty + [pad]
         extend_lens = ([] if fb is None else fb.extend_lens_cpu) + empty + [pad]
         indptr = host_indptr(seq_lens)
-        pad_slots = torch.zeros(pad, dtype=torch.int32, device=self.shape.device)
-        indices = (
-            pad_slots if fb is None else torch.cat([kv_indices(fb, int(indptr[real])), pad_slots])
-        )
         self._plan(
             wrapper,
             host_indptr(extend_lens),
             indptr,
-            indices,
+            self._padded_kv_indices(fb, int(indptr[real]), pad),
             self._ones[: requests + 1],
             head_dim_qk=self.shape.head_dim,
             causal=True,
@@ -250,7 +247,9 @@ class FlashInferAttentionBackend(AttentionBackend):
                     torch.zeros(n + 1, dtype=torch.int32, device=dev),  # qo indptr
                     torch.zeros(n + 1, dtype=torch.int32, device=dev),  # kv indptr
                     # Each request's whole context (prefixes are shared), and the padding's.
-                    torch.zeros(requests * self.shape.max_context_len + tokens, dtype=torch.int32, device=dev),
+                    torch.zeros(
+                        requests * self.shape.max_context_len + tokens, dtype=torch.int32, device=dev
+                    ),
                     torch.ones(n, dtype=torch.int32, device=dev),  # last page lengths
                 )
                 self._extend_graph_max = key
