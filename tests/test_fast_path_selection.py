@@ -529,3 +529,60 @@ def test_graph_inputs_hold_the_batch_then_padding_that_writes_slot_0():
     assert inputs.input_ids[:2].tolist() == [40, 41]
     assert inputs.positions[:2].tolist() == [0, 1]
     assert inputs.out_cache_loc[:8].tolist() == [31, 32, 0, 0, 0, 0, 0, 0]
+
+
+class _RecordingWrapper:
+    """Stands in for FlashInfer's wrappers: keeps what it was built with and each plan."""
+
+    def __init__(self, workspace, layout, **kwargs) -> None:
+        self.kwargs = kwargs
+        self.plans: list[tuple[tuple, dict]] = []
+
+    def plan(self, *args, **kwargs) -> None:
+        self.plans.append((args, kwargs))
+
+
+def test_an_extend_graph_plans_the_batch_then_empty_slots_then_the_padding(monkeypatch):
+    """What a captured extend's FlashInfer plan is given: the batch's requests, empty request
+    slots up to the graph's count, and one request of the padding tokens over KV slot 0."""
+    import sys
+
+    fake = types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=_RecordingWrapper,
+        BatchPrefillWithPagedKVCacheWrapper=_RecordingWrapper,
+    )
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    shape = attention.AttentionShape(
+        num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5, dtype=torch.bfloat16,
+        device=CPU, max_batch_size=8, max_context_len=10,
+    )  # fmt: skip
+    backend = FlashInferAttentionBackend(shape)
+    backend.prepare_extend_graph(16, 4, None)  # the capture: every token is padding
+    wrapper = backend._extend
+    assert wrapper is not backend.extend_wrapper and wrapper.kwargs["use_cuda_graph"]
+    assert len(wrapper.kwargs["qo_indptr_buf"]) == 4 + 2  # 4 slots, the padding's, the end
+    (qo, kv, indices, last), kwargs = wrapper.plans[-1][0][:4], wrapper.plans[-1][1]
+    assert qo.tolist() == [0, 0, 0, 0, 0, 16] and kv.tolist() == [0, 0, 0, 0, 0, 16]
+    assert indices.tolist() == [0] * 16 and last.tolist() == [1] * 5 and kwargs["causal"]
+
+    # Two requests: 3 new tokens after 2 cached (row 3), 4 new ones (row 1): 7 of 16 tokens.
+    table = torch.arange(1, 5 * 10 + 1).view(5, 10)
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND, input_ids=torch.zeros(7, dtype=torch.int64),
+        positions=torch.tensor([2, 3, 4, 0, 1, 2, 3]), out_cache_loc=torch.zeros(7, dtype=torch.int64),
+        req_pool_indices=torch.tensor([3, 1]), seq_lens=torch.tensor([5, 4]),
+        extend_lens=torch.tensor([3, 4]), req_to_token=table, kv_pool=None, attn_backend=None,
+        seq_lens_cpu=[5, 4], extend_lens_cpu=[3, 4],
+    )  # fmt: skip
+    backend.prepare_extend_graph(16, 4, fb)
+    assert backend._extend is wrapper  # the same graph's wrapper, planned again
+    qo, kv, indices, last = wrapper.plans[-1][0][:4]
+    assert qo.tolist() == [0, 3, 7, 7, 7, 16]
+    assert kv.tolist() == [0, 5, 9, 9, 9, 18]
+    assert indices.tolist() == table[3, :5].tolist() + table[1, :4].tolist() + [0] * 9
+    with pytest.raises(ValueError, match="exceeds the graph's 1 requests and 16 tokens"):
+        backend.prepare_extend_graph(16, 1, fb)  # a smaller graph of its own, too few slots
+    with pytest.raises(ValueError, match="largest first"):
+        backend.prepare_extend_graph(32, 4, None)
+    backend.prepare(fb)  # an eager extend plans the eager wrapper and runs on it
+    assert backend._extend is backend.extend_wrapper
