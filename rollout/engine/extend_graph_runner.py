@@ -37,8 +37,9 @@ MAX_REQUESTS = 32
 
 
 def extend_token_buckets(max_tokens: int) -> list[int]:
-    """The token counts to capture, ascending: powers of two from 8 with the midpoints from
-    128 on (so padding stays under a third of a bucket), up to and including max_tokens."""
+    """The token counts to capture, ascending: powers of two from 8, and from 128 on their
+    midpoints too (padding there stays under a third of a bucket), up to and including
+    max_tokens."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     buckets, size = [], 8
