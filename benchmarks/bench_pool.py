@@ -11,10 +11,10 @@ Two runs of the nano workload (bench_offline.py's), each request its own HTTP /g
   mem_fraction counts the whole GPU) behind `rollout router`, the requests sent to the router.
   With --one-gpu-each, worker i runs on GPU i and the direct run is one such worker on GPU 0
   (the scaling of replicas over GPUs).
-Output tok/s of both and their ratio. The router's overhead per request: the median latency of
---probes one-token requests (sequential, a short prompt) through the router minus the mean of
-the workers' medians with the same requests sent to each directly, all sent in turn. Arguments
-after `--` go to every `rollout serve`.
+Output tok/s of both and their ratio. The router's overhead per request: over --probes rounds
+of one-token requests (a short prompt, the same to each worker directly and then to the
+router), the median of each routed request's time minus the direct time of the worker that
+answered it (probe_ms). Arguments after `--` go to every `rollout serve`.
 """
 
 from __future__ import annotations
@@ -89,18 +89,40 @@ def throughput(port: int, workload, concurrency: int) -> tuple[float, int]:
     return time.perf_counter() - start_t, tokens
 
 
-def probe_ms(ports: list[int], count: int) -> list[float]:
-    """The median ms of `count` one-token requests to each port, sent in turn (one to each,
-    then the next round), so that the machine's load changing weighs on every port alike."""
+def probe_ms(worker_ports: list[int], router_port: int, count: int) -> dict:
+    """`count` rounds of one-token requests, each round one to every worker and then one to the
+    router, so that the machine's load changing weighs on all alike. The router names the
+    worker that answered (x-rollout-replica): its overhead is the median over rounds of the
+    routed request's time minus that worker's direct time in the same round. Workers sharing
+    a GPU differ by more than the router adds (RESULTS.md, twenty-third session): a difference
+    of medians mixes that in."""
     params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
-    times: list[list[float]] = [[] for _ in ports]
+    direct: list[list[float]] = [[] for _ in worker_ports]
+    routed, paired = [], []
     for i in range(-PROBE_WARMUP, count):
-        for port, kept in zip(ports, times):
+        body = {"input_ids": [1 + i % 50, 2, 3, 4], "sampling_params": params}
+        times = []
+        for port in worker_ports:
             start_t = time.perf_counter()
-            generate(port, [1 + i % 50, 2, 3, 4], params)
-            if i >= 0:
-                kept.append(time.perf_counter() - start_t)
-    return [statistics.median(kept) * 1e3 for kept in times]
+            requests.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60).raise_for_status()
+            times.append(time.perf_counter() - start_t)
+        start_t = time.perf_counter()
+        reply = requests.post(f"http://127.0.0.1:{router_port}/generate", json=body, timeout=60)
+        reply.raise_for_status()
+        through = time.perf_counter() - start_t
+        if i >= 0:
+            for kept, t in zip(direct, times):
+                kept.append(t)
+            routed.append(through)
+            paired.append(through - times[int(reply.headers["x-rollout-replica"])])
+    ms = lambda xs: round(statistics.median(xs) * 1e3, 3)  # noqa: E731
+    return {
+        "probe_workers_ms": [ms(kept) for kept in direct],
+        "probe_router_ms": ms(routed),
+        "router_overhead_ms": ms(paired),
+        # The estimate before the header: the routed median minus the mean of the workers'.
+        "router_overhead_unpaired_ms": round(ms(routed) - statistics.mean(ms(k) for k in direct), 3),
+    }
 
 
 def run_direct(serve: list[str], workload, args, log_dir: str) -> dict:
@@ -132,14 +154,9 @@ def run_pool(serve: list[str], model_path: str, workload, args, log_dir: str) ->
         wait_healthy(BASE_PORT, router)
         throughput(BASE_PORT, (workload[0][:8], workload[1][:8]), args.concurrency)
         seconds, tokens = throughput(BASE_PORT, workload, args.concurrency)
-        # The router sends a probe to either worker: the direct baseline is every worker's.
-        *worker_ms, routed_ms = probe_ms([*ports, BASE_PORT], args.probes)
-        direct_ms = statistics.mean(worker_ms)
         return {
             "seconds": round(seconds, 3), "tok_per_s": round(tokens / seconds, 1),
-            "probe_workers_ms": [round(ms, 3) for ms in worker_ms],
-            "probe_direct_ms": round(direct_ms, 3), "probe_router_ms": round(routed_ms, 3),
-            "router_overhead_ms": round(routed_ms - direct_ms, 3),
+            **probe_ms(ports, BASE_PORT, args.probes),
             "load_avg_1m": round(os.getloadavg()[0], 2),
         }
     finally:

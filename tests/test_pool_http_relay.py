@@ -159,6 +159,7 @@ def test_the_body_and_the_answer_pass_byte_for_byte(workers):
             answer = await client.post("/generate", content=sent)
             assert answer.status_code == 200 and answer.content == ANSWER
             assert answer.headers["content-type"] == "application/json"
+            assert answer.headers["x-rollout-replica"] == "0"  # the worker that answered
             unauthorized = await client.post(
                 "/generate", content=sent, headers={"Authorization": ""}
             )
@@ -183,6 +184,7 @@ def test_a_request_whose_worker_died_is_retried_and_says_so(workers):
 
     answer, streamed, stats = asyncio.run(run())
     assert answer.status_code == 200
+    assert answer.headers["x-rollout-replica"] == "1"  # the retry's worker, not the dead one
     assert answer.json() == {**json.loads(ANSWER), "meta_info": {"id": "w", "x": -float("inf"),
                                                                   "retried": True}}  # fmt: skip
     assert len(workers[0].bodies) == 1 and len(workers[1].bodies) == 2

@@ -52,19 +52,19 @@ class Dispatcher:
             raise
 
     async def _generate(self, part: Part) -> Any:
-        answer, retried = await self._run(part, lambda replica: replica.generate(part.request))
+        answer, retried, _ = await self._run(part, lambda replica: replica.generate(part.request))
         return mark_retried(answer) if retried else answer
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[dict]:
         [part], _ = split(request)
         return self._stream(part, lambda replica: replica.stream(part.request), mark_retried)
 
-    async def relay(self, part: Part) -> bytes:
+    async def relay(self, part: Part) -> tuple[bytes, int]:
         """A worker's JSON answer to a part whose request is a client's body (relay_part), as
-        the worker gave it (HttpReplica.relay); made again with meta_info["retried"] when a
-        second worker gave it."""
-        answer, retried = await self._run(part, lambda replica: replica.relay(part.request))
-        return json_retried(answer) if retried else answer
+        the worker gave it (HttpReplica.relay), made again with meta_info["retried"] when a
+        second worker gave it; and the index of the replica that gave it."""
+        answer, retried, replica = await self._run(part, lambda r: r.relay(part.request))
+        return (json_retried(answer) if retried else answer), replica
 
     def relay_stream(self, part: Part) -> AsyncIterator[bytes]:
         """A worker's server-sent events for such a part, as relay does the answer."""
@@ -72,9 +72,11 @@ class Dispatcher:
             part, lambda replica: replica.relay_stream(part.request), events_retried
         )
 
-    async def _run(self, part: Part, send: Callable[[Replica], Awaitable[T]]) -> tuple[T, bool]:
-        """`send(replica)`'s answer from the replica the part is routed to, and whether it was
-        retried (its first replica died)."""
+    async def _run(
+        self, part: Part, send: Callable[[Replica], Awaitable[T]]
+    ) -> tuple[T, bool, int]:
+        """`send(replica)`'s answer from the replica the part is routed to, whether it was
+        retried (its first replica died), and the index of the replica that answered."""
         failed: int | None = None
         while True:
             route = await self._route(part, avoid=failed)
@@ -90,7 +92,7 @@ class Dispatcher:
                 continue
             finally:
                 self.router.finished(route.replica, part.tokens)
-            return answer, failed is not None
+            return answer, failed is not None, route.replica
 
     async def _stream(
         self, part: Part, open_stream: Callable[[Replica], AsyncIterator[T]],

@@ -41,6 +41,9 @@ T = TypeVar("T")
 PATH = "/generate"
 WATCH_AFTER_S = 0.02  # how late a client that left may be noticed (its request then aborted)
 JSON_TYPE = (b"content-type", b"application/json")
+# On a relayed one-prompt answer: the index (in --worker-urls) of the worker that gave it, for
+# telling the router's own time from its workers' (benchmarks/bench_pool.py's probes).
+REPLICA_HEADER = b"x-rollout-replica"
 SSE_HEADERS = [  # what rollout serve's streams (streaming.sse_response) are sent with
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -89,12 +92,13 @@ class GenerateRelay:
     ) -> None:
         start = time.monotonic()
         try:
-            answer = await until_disconnect(receive, self.dispatcher.relay(part))
+            answer, replica = await until_disconnect(receive, self.dispatcher.relay(part))
         except Exception as e:  # noqa: BLE001 - answered as the app's handlers answer it
             await _refusal(e, scope, receive, send)
             return
         length = (b"content-length", str(len(answer)).encode())
-        await send({"type": "http.response.start", "status": 200, "headers": [JSON_TYPE, length]})
+        headers = [JSON_TYPE, length, (REPLICA_HEADER, str(replica).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
         if log_metrics:  # once the answer is out, which waits on nothing here
             outs = json.loads(answer)
