@@ -73,11 +73,11 @@ class ExtendGraphRunner:
         max_tokens: int,
         max_requests: int,
         device: torch.device,
-        pool=None,
+        pool,
     ) -> None:
         """Captures graphs for extends of up to max_tokens new tokens over at most
         min(MAX_REQUESTS, max_requests) requests; others are not this runner's (can_replay
-        says no). `pool`: a graph memory pool to share (the decode graphs')."""
+        says no). `pool`: the graph memory pool they share (the decode graphs')."""
         if not backend.supports_extend_graph:
             raise ValueError(f"{type(backend).__name__} cannot capture an extend")
         self.model = model
@@ -85,7 +85,7 @@ class ExtendGraphRunner:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.device = device
-        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        self.pool = pool
         self.buckets = extend_token_buckets(max_tokens)
         self.max_requests = min(MAX_REQUESTS, max_requests)
         self.inputs = GraphInputs(self.buckets[-1], device)
