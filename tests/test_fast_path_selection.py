@@ -199,12 +199,13 @@ def test_short_extends_replay_graphs_where_flashinfer_runs_them(packages):
     assert plan_for(CUDA, torch.bfloat16, cuda_graph_max_extend_tokens=100).extend_graph_max_tokens == 100
     # No extend is longer than a chunk.
     assert plan_for(CUDA, torch.bfloat16, chunked_prefill_size=64).extend_graph_max_tokens == 64
+    # Every rank of a tensor-parallel engine captures them (the all-reduce inside).
+    assert plan_for(CUDA, torch.bfloat16, tp_size=2).extend_graph_max_tokens == 512
     off = [
         {"cuda_graph_max_extend_tokens": 0},
         {"disable_cuda_graph": True},
         {"enable_lora": True},  # adapters' segments are planned per extend on the host
         {"attention_backend": "triton"},  # its extend is not captured
-        {"tp_size": 2},  # not yet run on two GPUs
     ]
     for options in off:
         assert plan_for(CUDA, torch.bfloat16, **options).extend_graph_max_tokens == 0, options

@@ -20,6 +20,7 @@ import random
 import pytest
 import torch
 
+from rollout import RolloutEngine
 from rollout.config import EngineOptions
 from rollout.engine.messages import TokenizedRequest
 from rollout.engine.sampling_params import SamplingParams
@@ -156,3 +157,46 @@ def test_extend_graphs_give_the_eager_extends_tokens_and_logprobs(tiny_128):
     # Prompt logprobs covered the whole prompt (a graph's padding rows are never read).
     assert len(graphs["prompt-only"]["input_token_logprobs"]) == 70
     assert len(graphs["nine"]["input_token_logprobs"]) == 9
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_extend_graphs_at_two_ranks_give_the_eager_extends_tokens(tiny_128):
+    """Tensor parallelism over NCCL: each rank replays its own captured extend, the all-reduce
+    inside the graph; a batch of short prompts, single short prompts and a turn over a cached
+    history give what the same tp 2 engine gives with every extend eager."""
+    rng = random.Random(11)
+    history = _ids(rng, 300)
+    batches = [
+        [_ids(rng, n) for n in (1, 8, 9, 40, 300)],  # one extend of 358 tokens, 5 requests
+        [_ids(rng, 1)],
+        [_ids(rng, 9)],
+        [history + _ids(rng, 20)],  # 20 new tokens over the cached 300
+    ]
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+    def run(extend_tokens: int) -> list[dict]:
+        with RolloutEngine(
+            tiny_128, device="cuda", dtype="bfloat16", tp_size=2, tp_backend="nccl",
+            max_total_tokens=16384, cuda_graph_max_extend_tokens=extend_tokens,
+        ) as engine:  # fmt: skip
+            plan = engine.get_server_info()["kernel_plan"]
+            assert plan["extend_graph_max_tokens"] == extend_tokens, plan
+            engine.generate(input_ids=[history], sampling_params=params)  # caches the history
+            outs = []
+            for k, prompts in enumerate(batches):
+                # Prompt logprobs, but not over the cached history (they need it computed).
+                start = {} if k == len(batches) - 1 else {"logprob_start_len": 0}
+                outs += engine.generate(
+                    input_ids=prompts, sampling_params=params, return_logprob=True,
+                    top_logprobs_num=2, **start,
+                )  # fmt: skip
+        return [
+            {"ids": o["output_ids"], "cached": o["meta_info"]["cached_tokens"]}
+            | {k: v for k, v in o["meta_info"].items() if "logprobs" in k}
+            for o in outs
+        ]
+
+    eager, graphs = run(0), run(512)
+    assert graphs[-1]["cached"] >= 256, graphs[-1]["cached"]
+    for k, (got, want) in enumerate(zip(graphs, eager)):
+        _assert_close(got, want, f"request {k}")

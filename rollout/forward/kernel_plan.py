@@ -149,11 +149,11 @@ def resolve_kernel_plan(
 
 def _extend_graph_max_tokens(options: EngineOptions, extend: str, graphs: bool) -> int:
     """The largest extend replayed from a graph: cuda_graph_max_extend_tokens, capped by the
-    longest chunk; 0 without decode graphs, where the extend backend cannot be captured, with
-    adapters (their per-request segments are planned on the host for each extend), or with
-    tensor parallelism (its ranks' captured extends have not run on GPUs yet)."""
-    tp = options.parallel.tp_size > 1
-    if not graphs or tp or options.lora.enable_lora or not attention.supports_extend_graph(extend):
+    longest chunk; 0 without decode graphs, where the extend backend cannot be captured,
+    or with adapters (their per-request segments are planned on the host for each extend). At
+    tensor parallelism every rank captures the same buckets and replays the same one, the
+    all-reduce inside the graph as in the decode graphs."""
+    if not graphs or options.lora.enable_lora or not attention.supports_extend_graph(extend):
         return 0
     return min(options.kernels.cuda_graph_max_extend_tokens, options.scheduler.chunked_prefill_size)
 
