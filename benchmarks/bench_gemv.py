@@ -1,6 +1,6 @@
 """A small decode batch's linear layers alone: torch's GEMM against the skinny GEMM kernel.
 
-    python benchmarks/bench_gemv.py --model qwen2.5-7b --rows 1
+    python benchmarks/bench_gemv.py --model qwen2.5-7b --rows 1 [--tp-size 2]
 
 For each projection of the model (q/k/v, o, gate/up, down, LM head), in bfloat16, times
 torch.nn.functional.linear and rollout_kernels.skinny_gemm over a few tile configurations,
@@ -8,7 +8,9 @@ inside CUDA graphs (as decode runs) with the weights read from HBM rather than t
 and prints one JSON line per projection: microseconds and the weight bytes read per second of
 each, the best configuration (`skinny_*`), the engine's tiles (SKINNY_GEMM_TILES), and the best
 one's largest error against torch; and the same with the features split evenly over one or two
-programs an SM (`balanced_*`; its config: programs, block_k, num_warps, num_stages).
+programs an SM (`balanced_*`; its config: programs, block_k, num_warps, num_stages). With
+--tp-size, one rank's shards: q/k/v, gate/up and the LM head split by output features, o and
+down by input features.
 """
 
 from __future__ import annotations
@@ -35,21 +37,27 @@ BALANCED = list(itertools.product((1, 2), (256, 512), (4, 8), (3, 4)))
 
 
 PROJECTIONS = ["qkv", "o", "gate_up", "down", "lm_head"]
+ROW_PARALLEL = ("o", "down")  # split by input features at tensor parallelism
 
 
-def projections(cfg: dict) -> list[tuple[str, int, int, bool]]:
-    """(name, out features, in features, bias) of one layer's linear layers and the LM head."""
+def projections(cfg: dict, tp: int = 1) -> list[tuple[str, int, int, bool]]:
+    """(name, out features, in features, bias) of one layer's linear layers and the LM head,
+    as one rank of `tp` holds them."""
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     kv = cfg.get("num_key_value_heads", heads)
     qkv_bias = cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias"))
     inter = cfg["intermediate_size"]
-    return [
+    whole = [
         ("qkv", (heads + 2 * kv) * head_dim, hidden, qkv_bias),
         ("o", hidden, heads * head_dim, False),
         ("gate_up", 2 * inter, hidden, False),
         ("down", hidden, inter, False),
         ("lm_head", cfg["vocab_size"], hidden, False),
+    ]
+    return [
+        (name, n, k // tp, bias) if name in ROW_PARALLEL else (name, -(-n // tp), k, bias)
+        for name, n, k, bias in whole
     ]
 
 
@@ -57,13 +65,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b", choices=sorted(REAL_CONFIGS))
     parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--tp-size", type=int, default=1, help="one rank's shards at this tp")
     parser.add_argument("--proj", nargs="+", choices=PROJECTIONS, default=PROJECTIONS, help="these projections only")
     args = parser.parse_args()
     torch.manual_seed(0)
-    for name, n, k, has_bias in projections(REAL_CONFIGS[args.model]):
+    for name, n, k, has_bias in projections(REAL_CONFIGS[args.model], args.tp_size):
         if name not in args.proj:
             continue
-        row = {"model": args.model, "rows": args.rows, "proj": name, "N": n, "K": k}
+        row = {"model": args.model, "rows": args.rows, "tp": args.tp_size, "proj": name, "N": n, "K": k}
         row.update(bench_projection(n, k, has_bias, args.rows))
         print(json.dumps(row))
 
