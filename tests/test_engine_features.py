@@ -171,6 +171,35 @@ def test_concurrent_requests_with_random_aborts_leave_the_pool_whole(engine):
     _assert_pool_whole(engine)
 
 
+def test_code_on_the_engines_own_loop_awaits_it_and_is_refused_blocking_calls(engine):
+    # rollout serve runs its HTTP server there (run_on_loop): requests reach the engine with
+    # no hop between threads; a blocking call there would wait for the loop it holds.
+    prompt, endless = _ids(7, 9), {"max_new_tokens": 3000, "ignore_eos": True}
+
+    async def on_loop() -> tuple[dict, list[dict], list[dict]]:
+        whole = await engine.async_generate(input_ids=prompt, sampling_params=GREEDY)
+        streamed = await engine.async_generate(input_ids=prompt, sampling_params=GREEDY, stream=True)
+        chunks = [chunk async for chunk in streamed]
+        samples = await engine.async_generate(
+            input_ids=[prompt, _ids(8, 5)], sampling_params=GREEDY, stream=True
+        )
+        merged = [chunk async for chunk in samples]
+        left = await engine.async_generate(input_ids=_ids(9, 9), sampling_params=endless, stream=True)
+        async for _ in left:
+            break
+        await left.aclose()  # a stream left early aborts its request
+        for blocking in (engine.get_server_info, lambda: engine.generate(input_ids=prompt)):
+            with pytest.raises(RuntimeError, match="await its async_ variant, or call it from a thread"):
+                blocking()
+        return whole, chunks, merged
+
+    whole, chunks, merged = engine.run_on_loop(on_loop())
+    assert whole["output_ids"] == engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    assert chunks[-1]["output_ids"] == whole["output_ids"]
+    assert [c for c in merged if c["index"] == 0][-1]["output_ids"] == whole["output_ids"]
+    _assert_pool_whole(engine)
+
+
 def test_abort_request_by_rid(engine):
     async def run():
         task = asyncio.ensure_future(

@@ -2,7 +2,9 @@
 
 It starts the scheduler and detokenizer subprocesses and runs the TokenizerManager on an
 event loop of its own, in a background thread, so the synchronous API works anywhere (also
-inside Jupyter or another event loop) and `async_generate` works from any loop. The async
+inside Jupyter or another event loop) and `async_generate` works from any loop; `rollout
+serve` runs its HTTP server on that loop (run_on_loop), where a request reaches the
+TokenizerManager with no hop between threads. The async
 calls tokenize and render chat templates on worker threads of the engine, never on the
 caller's loop (a server's loop must keep answering while a long prompt is tokenized).
 """
@@ -25,6 +27,7 @@ from rollout.control import ControlCall, control_method
 from rollout.control_api import ControlAPI
 from rollout.engine import embedding_requests, indexed_streams, loop_streams
 from rollout.engine.control_calls import FlushCache, GetServerInfo
+from rollout.engine.loop_calls import await_on, call_on, on_loop, refuse_on_loop
 from rollout.engine.messages import AbortRequest, TokenizedRequest
 from rollout.engine.processes import Addresses, start_process, stop_process
 from rollout.engine.request_limits import RequestLimits
@@ -41,7 +44,12 @@ TOKENIZE_THREADS = min(4, os.cpu_count() or 1)
 
 
 class RolloutEngine(ControlAPI):
-    def __init__(self, model_path: str, **options: Any) -> None:
+    def __init__(
+        self, model_path: str,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None, **options: Any,
+    ) -> None:  # fmt: skip
+        """`options`: EngineOptions' fields (rollout/config.py); `loop_factory` makes the
+        engine's event loop (default: asyncio's; rollout serve passes uvicorn's choice)."""
         check_model_path(model_path)
         self.options = EngineOptions.from_kwargs(model_path=model_path, **options)
         embedding_requests.check_embedding_mode(model_path, self.options.model.is_embedding)
@@ -56,7 +64,7 @@ class RolloutEngine(ControlAPI):
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         self._addrs = Addresses.fresh(self.options.parallel.tp_size)
         self._procs = []
-        self._loop = asyncio.new_event_loop()
+        self._loop = (loop_factory or asyncio.new_event_loop)()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="rollout-tm", daemon=True
         )
@@ -92,7 +100,12 @@ class RolloutEngine(ControlAPI):
         return cls(self.tokenizer, self._addrs, self.options.model.random_seed, alive)
 
     def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return call_on(self._loop, coro, "RolloutEngine")
+
+    def run_on_loop(self, coro: Any) -> Any:
+        """Runs `coro` on the engine's event loop and waits for it (rollout serve serves HTTP
+        there: its requests then reach the engine with no hop between threads)."""
+        return self._call(coro)
 
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Awaits fn(*args, **kwargs) run on the engine's tokenizer threads: CPU work on a
@@ -105,6 +118,7 @@ class RolloutEngine(ControlAPI):
     @takes_generate_request
     def generate(self, request: GenerateRequest) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a list (or n > 1) a list of dicts, stream=True an iterator."""
+        refuse_on_loop(self._loop, "RolloutEngine")
         inputs, batched = self._inputs(request)
         if request.stream and batched:  # every sample streamed, its outputs with an index
             return loop_streams.to_thread(self._loop, lambda: indexed_streams.merge(self._tm, inputs))
@@ -120,12 +134,10 @@ class RolloutEngine(ControlAPI):
         """As generate, awaited; with stream=True, an async iterator. Cancelling aborts."""
         inputs, batched = await self.run_in_worker(self._inputs, request)
         if request.stream and batched:  # every sample streamed, its outputs with an index
-            return loop_streams.to_loop(self._loop, lambda: indexed_streams.merge(self._tm, inputs))
+            return self._stream_async(lambda: indexed_streams.merge(self._tm, inputs))
         if request.stream:
-            return self._stream_async(inputs[0])
-        results = await asyncio.wrap_future(
-            asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop)
-        )
+            return self._stream_async(lambda: self._tm.generate(inputs[0]))
+        results = await await_on(self._loop, self._gather(inputs))
         return results if batched else results[0]
 
     @takes_generate_request
@@ -228,13 +240,13 @@ class RolloutEngine(ControlAPI):
 
     async def _arun(self, build: Callable[..., Any], *args: Any) -> Any:
         inputs, finish = await self.run_in_worker(build, *args)
-        fut = asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop)
-        return finish(await asyncio.wrap_future(fut))
+        return finish(await await_on(self._loop, self._gather(inputs)))
 
     def _run_requests(self, inputs: list[TokenizedRequest]) -> list[dict]:
         """The requests' outputs, waited for on the caller's thread. Whatever stops the wait (a
         KeyboardInterrupt) aborts the requests, as cancelling async_generate or leaving a
         stream does, instead of leaving them to run to their end in the engine."""
+        refuse_on_loop(self._loop, "RolloutEngine")
         fut = asyncio.run_coroutine_threadsafe(self._gather(inputs), self._loop)
         try:
             return fut.result()
@@ -260,8 +272,9 @@ class RolloutEngine(ControlAPI):
     def _stream_sync(self, inp: TokenizedRequest) -> Iterator[dict]:
         return loop_streams.to_thread(self._loop, lambda: self._tm.generate(inp))
 
-    def _stream_async(self, inp: TokenizedRequest) -> AsyncIterator[dict]:
-        return loop_streams.to_loop(self._loop, lambda: self._tm.generate(inp))
+    def _stream_async(self, source: loop_streams.Source) -> AsyncIterator[dict]:
+        """`source()`'s outputs on the caller's loop: directly where that is the engine's."""
+        return source() if on_loop(self._loop) else loop_streams.to_loop(self._loop, source)
 
     # ---- weight sync (the rest are ControlAPI's, rollout/control_api.py) -------------------
     def update_weights_from_tensor(

@@ -16,13 +16,9 @@ as `rollout serve`'s do.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import signal
 import socket
 import sys
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -31,10 +27,10 @@ from rollout.pool.pool_setup import PoolOptions
 from rollout.server.launch import GRACEFUL_SHUTDOWN_S, add_option_arguments, listen
 from rollout.server.lifecycle import (
     EXIT_ENGINE_DIED,
-    SIGNALS,
     EngineServer,
     ShutdownSignals,
     StartInterrupted,
+    exit_on_signals,
 )
 from rollout.server.options import ServerOptions
 
@@ -160,29 +156,13 @@ def run_server(
         url = f"http://{options.host}:{options.port}"
         print(f"rollout: serving {what} on {url}", file=sys.stderr, flush=True)
         if on_pool_loop:
-            with _exit_on_signals(server):
+            with exit_on_signals(server):
                 pool.run_on_loop(server.serve(sockets=[sock]))
         else:
             server.run(sockets=[sock])
     finally:
         pool.shutdown()
     return EXIT_ENGINE_DIED if server.engine_died else 0
-
-
-@contextlib.contextmanager
-def _exit_on_signals(server: Any) -> Iterator[None]:
-    """What uvicorn does on the main thread while it serves there: SIGINT/SIGTERM go to the
-    server's handle_exit (a second SIGINT forces the exit). Serving on another thread, uvicorn
-    leaves signals alone, and they arrive here, on the main thread, which waits for it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, server.handle_exit) for sig in SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

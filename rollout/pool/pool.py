@@ -30,6 +30,7 @@ from rollout.config import EngineOptions
 from rollout.control import ControlCall, control_method
 from rollout.control_api import ControlAPI
 from rollout.engine import loop_streams
+from rollout.engine.loop_calls import await_on, call_on, on_loop
 from rollout.engine.worker_calls import run_in
 from rollout.errors import InvalidRequest
 from rollout.generate_request import GenerateRequest, takes_generate_request
@@ -315,24 +316,13 @@ class RolloutPool(ControlAPI):
         return self._call(coro)
 
     def _on_loop(self) -> bool:
-        try:
-            return asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            return False
+        return on_loop(self._loop)
 
     def _call(self, coro: Any) -> Any:
-        if self._on_loop():
-            coro.close()
-            raise RuntimeError(
-                "a blocking RolloutPool method was called on the pool's own event loop, where "
-                "it would wait forever: await its async_ variant, or call it from a thread"
-            )
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return call_on(self._loop, coro, "RolloutPool")
 
     async def _await(self, coro: Any) -> Any:
-        if self._on_loop():
-            return await coro
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return await await_on(self._loop, coro)
 
     def shutdown(self) -> None:
         """Stops every replica (and the local Ray cluster, if the pool started it). Idempotent."""

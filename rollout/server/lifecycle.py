@@ -1,22 +1,22 @@
 """The life of a `rollout serve` process: uvicorn in front of the engine, stopped cleanly by
 SIGTERM or SIGINT, and stopped with exit status 1 when the engine dies.
 
-How uvicorn (0.3x) handles signals, and how this fits in: while `Server.serve` runs, uvicorn's
-own SIGINT/SIGTERM handlers are installed (`capture_signals`): the first signal starts a
-graceful shutdown, a second SIGINT forces it. When serve ends, uvicorn puts back the handlers it
-found and raises each captured signal again, for the program around it to see. The handlers it
-finds are ours (ShutdownSignals): before uvicorn runs they interrupt the engine's start; after,
-the re-raised signal only confirms the shutdown under way. So the engine is always shut down
-(children reaped, IPC folder removed) and the process exits 0, where the re-raised SIGTERM would
-kill it before that and the re-raised SIGINT would end in a KeyboardInterrupt traceback.
+Signals: until the engine has started, ShutdownSignals' handlers interrupt its start. The
+server then runs on the engine's event loop, on the engine's thread (launch.py), where uvicorn
+leaves signals alone (it installs its own only on the main thread); exit_on_signals gives
+SIGINT/SIGTERM to the server as uvicorn would: the first starts a graceful shutdown, a second
+SIGINT forces it. The main thread, which waits for the server, then shuts the engine down
+(children reaped, IPC folder removed) and the process exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -119,3 +119,20 @@ def _abort_all(engine: RolloutEngine) -> None:
         engine.abort_request(abort_all=True)
     except Exception as e:  # noqa: BLE001 - shutting down regardless (e.g. the engine is dead)
         logger.warning("rollout: could not abort the requests in flight at shutdown: %s", e)
+
+
+@contextlib.contextmanager
+def exit_on_signals(server: Any) -> Iterator[None]:
+    """What uvicorn does on the main thread while it serves there: SIGINT/SIGTERM go to the
+    server's handle_exit (a second SIGINT forces the exit). Serving on another thread, uvicorn
+    leaves signals alone, and they arrive here, on the main thread, which waits for it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
