@@ -104,7 +104,7 @@ def _serve(
             pool_options=pool_options, loop_factory=loop_factory,
         )  # fmt: skip
         what = f"workers {' '.join(args.worker_urls)}"
-        return run_server(pool, sock, options, signals, what, on_pool_loop=True, relay=True)
+        return run_server(pool, sock, options, signals, what, relay=True)
 
 
 def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], replicas: int) -> int:
@@ -124,8 +124,9 @@ def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], repli
             share = gpus / replicas if tp == 1 and 0 < gpus < replicas else None
             with listen(options.host, options.port) as sock:
                 pool = RolloutPool(
-                    model_path, replicas=replicas, num_gpus_per_replica=share, **options_left
-                )
+                    model_path, replicas=replicas, num_gpus_per_replica=share,
+                    loop_factory=uvicorn.Config(app=None).get_loop_factory(), **options_left,
+                )  # fmt: skip
                 what = f"{replicas} replicas of {model_path}"
                 return run_server(pool, sock, options, signals, what)
         except StartInterrupted:
@@ -134,14 +135,13 @@ def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], repli
 
 def run_server(
     pool: Any, sock: socket.socket, options: ServerOptions, signals: ShutdownSignals, what: str,
-    on_pool_loop: bool = False, relay: bool = False,
+    relay: bool = False,
 ) -> int:  # fmt: skip
     """Serves `pool` on `sock` (launch.listen's, bound before the pool started; the caller
-    closes it) with rollout serve's app until a shutdown signal; shuts the pool down.
-    `on_pool_loop`: the server runs on the pool's own event loop (a request then reaches the
-    pool's dispatcher with no hop between threads), else on one of its own. `relay` (on the
-    pool's loop, for a pool of HTTP workers): a one-prompt /generate goes to its worker as the
-    client sent it (generate_relay.py)."""
+    closes it) with rollout serve's app until a shutdown signal; shuts the pool down. The
+    server runs on the pool's own event loop: a request reaches the pool's dispatcher with no
+    hop between threads. `relay` (for a pool of HTTP workers): a one-prompt /generate goes to
+    its worker as the client sent it (generate_relay.py)."""
     from rollout.pool.generate_relay import relay_front
     from rollout.server.app import create_app
 
@@ -155,11 +155,8 @@ def run_server(
         server = signals.server = EngineServer(config, pool, app.state)
         url = f"http://{options.host}:{options.port}"
         print(f"rollout: serving {what} on {url}", file=sys.stderr, flush=True)
-        if on_pool_loop:
-            with exit_on_signals(server):
-                pool.run_on_loop(server.serve(sockets=[sock]))
-        else:
-            server.run(sockets=[sock])
+        with exit_on_signals(server):
+            pool.run_on_loop(server.serve(sockets=[sock]))
     finally:
         pool.shutdown()
     return EXIT_ENGINE_DIED if server.engine_died else 0

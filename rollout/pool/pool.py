@@ -53,6 +53,7 @@ class RolloutPool(ControlAPI):
         ray_init: dict[str, Any] | None = None, num_cpus_per_replica: float = 1,
         num_gpus_per_replica: float | None = None, placement_strategy: str = "SPREAD",
         runtime_env: dict | None = None, pool_options: pool_setup.PoolOptions | None = None,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
         **engine_options: Any,
     ) -> None:  # fmt: skip
         """`replicas` RolloutEngines of `model_path` (each with `engine_options`, as
@@ -60,7 +61,7 @@ class RolloutPool(ControlAPI):
         node's), or a local cluster started with `ray_init` (ray.init's arguments). Each
         replica takes `num_cpus_per_replica` CPUs and `num_gpus_per_replica` GPUs (default: one
         per tensor-parallel rank on a GPU; a fraction shares a GPU, with a mem_fraction to
-        match)."""
+        match). `loop_factory` makes the pool's event loop (default: asyncio's)."""
         from rollout.pool import ray_setup
 
         if not isinstance(replicas, int) or replicas < 1:
@@ -73,7 +74,7 @@ class RolloutPool(ControlAPI):
                 model_path, replicas, engine_options, num_cpus_per_replica,
                 num_gpus_per_replica, placement_strategy, runtime_env,
             )  # fmt: skip
-            self._open(made, model_path, engine_options, pool_options)
+            self._open(made, model_path, engine_options, pool_options, loop_factory)
         except BaseException:
             ray_setup.remove(self._ray_group, self._owns_ray)
             raise
