@@ -104,7 +104,7 @@ class KernelOptions:
         512,
         "largest extend (prefill, chunk or turn over a cached prefix) replayed from a CUDA "
         "graph, in new tokens over at most 32 requests (capped by chunked_prefill_size; "
-        "FlashInfer's extend at tp_size 1); 0: every extend runs eagerly",
+        "FlashInfer's extend, without adapters); 0: every extend runs eagerly",
     )
     enable_deterministic_inference: bool = _opt(
         False,
