@@ -118,12 +118,11 @@ class RolloutEngine(ControlAPI):
     @takes_generate_request
     def generate(self, request: GenerateRequest) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict, a list (or n > 1) a list of dicts, stream=True an iterator."""
-        refuse_on_loop(self._loop, "RolloutEngine")
         inputs, batched = self._inputs(request)
         if request.stream and batched:  # every sample streamed, its outputs with an index
-            return loop_streams.to_thread(self._loop, lambda: indexed_streams.merge(self._tm, inputs))
+            return self._stream_sync(lambda: indexed_streams.merge(self._tm, inputs))
         if request.stream:
-            return self._stream_sync(inputs[0])
+            return self._stream_sync(lambda: self._tm.generate(inputs[0]))
         results = self._run_requests(inputs)
         return results if batched else results[0]
 
@@ -269,8 +268,10 @@ class RolloutEngine(ControlAPI):
                 t.cancel()
             raise
 
-    def _stream_sync(self, inp: TokenizedRequest) -> Iterator[dict]:
-        return loop_streams.to_thread(self._loop, lambda: self._tm.generate(inp))
+    def _stream_sync(self, source: loop_streams.Source) -> Iterator[dict]:
+        """`source()`'s outputs on the caller's thread (never the engine's loop's)."""
+        refuse_on_loop(self._loop, "RolloutEngine")
+        return loop_streams.to_thread(self._loop, source)
 
     def _stream_async(self, source: loop_streams.Source) -> AsyncIterator[dict]:
         """`source()`'s outputs on the caller's loop: directly where that is the engine's."""

@@ -30,7 +30,8 @@ from rollout.server.lifecycle import (
     EngineServer,
     ShutdownSignals,
     StartInterrupted,
-    exit_on_signals,
+    serve_on_loop,
+    server_loop,
 )
 from rollout.server.options import ServerOptions
 
@@ -95,13 +96,10 @@ def _serve(
 ) -> int:  # fmt: skip
     from rollout.pool.pool import RolloutPool
 
-    # The server runs on the pool's loop (run_server): of the kind uvicorn would pick (uvloop,
-    # where it is installed).
-    loop_factory = uvicorn.Config(app=None).get_loop_factory()
     with listen(options.host, options.port, "rollout router") as sock:
         pool = RolloutPool.over_workers(
             args.worker_urls, api_key=args.worker_api_key, model_path=args.model_path,
-            pool_options=pool_options, loop_factory=loop_factory,
+            pool_options=pool_options, loop_factory=server_loop,
         )  # fmt: skip
         what = f"workers {' '.join(args.worker_urls)}"
         return run_server(pool, sock, options, signals, what, relay=True)
@@ -125,7 +123,7 @@ def serve_replicas(options: ServerOptions, engine_options: dict[str, Any], repli
             with listen(options.host, options.port) as sock:
                 pool = RolloutPool(
                     model_path, replicas=replicas, num_gpus_per_replica=share,
-                    loop_factory=uvicorn.Config(app=None).get_loop_factory(), **options_left,
+                    loop_factory=server_loop, **options_left,
                 )  # fmt: skip
                 what = f"{replicas} replicas of {model_path}"
                 return run_server(pool, sock, options, signals, what)
@@ -139,8 +137,7 @@ def run_server(
 ) -> int:  # fmt: skip
     """Serves `pool` on `sock` (launch.listen's, bound before the pool started; the caller
     closes it) with rollout serve's app until a shutdown signal; shuts the pool down. The
-    server runs on the pool's own event loop: a request reaches the pool's dispatcher with no
-    hop between threads. `relay` (for a pool of HTTP workers): a one-prompt /generate goes to
+    server runs on the pool's own event loop (made by server_loop; serve_on_loop). `relay` (for a pool of HTTP workers): a one-prompt /generate goes to
     its worker as the client sent it (generate_relay.py)."""
     from rollout.pool.generate_relay import relay_front
     from rollout.server.app import create_app
@@ -155,8 +152,7 @@ def run_server(
         server = signals.server = EngineServer(config, pool, app.state)
         url = f"http://{options.host}:{options.port}"
         print(f"rollout: serving {what} on {url}", file=sys.stderr, flush=True)
-        with exit_on_signals(server):
-            pool.run_on_loop(server.serve(sockets=[sock]))
+        serve_on_loop(server, pool, sock)
     finally:
         pool.shutdown()
     return EXIT_ENGINE_DIED if server.engine_died else 0

@@ -23,7 +23,8 @@ from rollout.server.lifecycle import (
     EngineServer,
     ShutdownSignals,
     StartInterrupted,
-    exit_on_signals,
+    serve_on_loop,
+    server_loop,
 )
 from rollout.server.options import ServerOptions
 
@@ -104,10 +105,7 @@ def _serve(options: ServerOptions, engine_options: dict[str, Any], signals: Shut
     from rollout.server.app import create_app
 
     with listen(options.host, options.port) as sock:
-        # The server runs on the engine's loop (of the kind uvicorn would pick: uvloop, where
-        # it is installed): a request reaches the engine with no hop between threads.
-        loop_factory = uvicorn.Config(app=None).get_loop_factory()
-        engine = RolloutEngine(**engine_options, loop_factory=loop_factory)
+        engine = RolloutEngine(**engine_options, loop_factory=server_loop)  # serve_on_loop's
         try:
             app = create_app(engine, options)
             config = uvicorn.Config(
@@ -125,8 +123,7 @@ def _serve(options: ServerOptions, engine_options: dict[str, Any], signals: Shut
             # out of every later collection, whose full walks would otherwise hold the loop.
             gc.collect()
             gc.freeze()
-            with exit_on_signals(server):
-                engine.run_on_loop(server.serve(sockets=[sock]))
+            serve_on_loop(server, engine, sock)
         finally:
             engine.shutdown()
     return EXIT_ENGINE_DIED if server.engine_died else 0

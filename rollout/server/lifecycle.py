@@ -3,7 +3,7 @@ SIGTERM or SIGINT, and stopped with exit status 1 when the engine dies.
 
 Signals: until the engine has started, ShutdownSignals' handlers interrupt its start. The
 server then runs on the engine's event loop, on the engine's thread (launch.py), where uvicorn
-leaves signals alone (it installs its own only on the main thread); exit_on_signals gives
+leaves signals alone (it installs its own only on the main thread); serve_on_loop gives
 SIGINT/SIGTERM to the server as uvicorn would: the first starts a graceful shutdown, a second
 SIGINT forces it. The main thread, which waits for the server, then shuts the engine down
 (children reaped, IPC folder removed) and the process exits 0.
@@ -12,11 +12,9 @@ SIGINT forces it. The main thread, which waits for the server, then shuts the en
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -121,18 +119,23 @@ def _abort_all(engine: RolloutEngine) -> None:
         logger.warning("rollout: could not abort the requests in flight at shutdown: %s", e)
 
 
-@contextlib.contextmanager
-def exit_on_signals(server: Any) -> Iterator[None]:
-    """What uvicorn does on the main thread while it serves there: SIGINT/SIGTERM go to the
-    server's handle_exit (a second SIGINT forces the exit). Serving on another thread, uvicorn
-    leaves signals alone, and they arrive here, on the main thread, which waits for it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, server.handle_exit) for sig in SIGNALS}
+def server_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop of the kind uvicorn would run (uvloop, where it is installed): the
+    loop of the engine or pool that a server runs on (serve_on_loop)."""
+    return uvicorn.Config(app=None).get_loop_factory()()
+
+
+def serve_on_loop(server: uvicorn.Server, owner: Any, sock: Any) -> None:
+    """Runs `server` on `sock` on the event loop of `owner` (a RolloutEngine or RolloutPool
+    made with server_loop: a request then reaches it with no hop between threads) until the
+    server stops. uvicorn installs its signal handlers only on the main thread, which here
+    waits for the server: SIGINT/SIGTERM go from it to the server's handle_exit, as uvicorn's
+    would (the first starts a graceful shutdown, a second SIGINT forces it)."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, server.handle_exit) for sig in SIGNALS}
     try:
-        yield
+        owner.run_on_loop(server.serve(sockets=[sock]))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
