@@ -191,6 +191,8 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add("--max-total-tokens", type=int)
     add("--attention-backend", default=kernels.attention_backend)
     add("--disable-cuda-graph", action="store_true")
+    add("--cuda-graph-max-bs", type=int, default=kernels.cuda_graph_max_bs,
+        help="decode batches of up to this many rows replay CUDA graphs")  # fmt: skip
     add("--cuda-graph-max-extend-tokens", type=int, default=kernels.cuda_graph_max_extend_tokens,
         help="extends of up to this many tokens replay CUDA graphs (0: none)")  # fmt: skip
     add("--disable-pdl", action="store_true", help="no programmatic dependent launch")
@@ -222,6 +224,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "attention_backend": args.attention_backend,
         "disable_cuda_graph": args.disable_cuda_graph,
         "cuda_graph_max_extend_tokens": args.cuda_graph_max_extend_tokens,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "disable_pdl": args.disable_pdl,
         "disable_overlap_schedule": args.disable_overlap_schedule,
         "kv_cache_dtype": args.kv_cache_dtype,

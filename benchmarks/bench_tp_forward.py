@@ -3,6 +3,8 @@
     python benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 1
     python benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 2
     python benchmarks/bench_tp_forward.py --model qwen2.5-7b --tp-size 2 --no-collectives
+    python benchmarks/bench_tp_forward.py --model llama-3.1-8b --tp-size 2 --batch 256 \
+        --context 3700 --kernels 20
 
 Each rank (one process per GPU) builds the engine's own ModelRunner (the real config's shapes,
 random bf16 weights) and replays its CUDA graph of a --batch decode step, with nothing around
@@ -10,6 +12,12 @@ it: no scheduler, no step messages between ranks, no sampling. The milliseconds 
 events on rank 0) are the device's share of a step; bench_latency.py's decode step less this is
 the host's. --no-collectives replaces the all-reduce and all-gather with local stand-ins of the
 same shapes (wrong numbers, right kernels otherwise): the collectives' share.
+
+With --context L each of the --batch requests attends over L tokens of its own (distinct KV
+slots, the pool sized to hold them all): the large decode steps of a long workload, whose
+attention the default (one token each) leaves out. --eager runs such a step as the engine runs
+a batch past its largest graph (the attention backend's plan, then the model's forward, each
+iteration). --kernels N prints rank 0's N kernels of most device time over the timed steps.
 """
 
 from __future__ import annotations
@@ -61,31 +69,85 @@ def _rank(rank: int, args: argparse.Namespace, path: str, port: int, results) ->
         tp = TPGroup.from_group()
     if args.no_collectives:
         _no_collectives()
+    context = max(args.context, 1)
     options = EngineOptions.from_kwargs(
         model_path=path, load_format="dummy", dtype="bfloat16", device=f"cuda:{rank}",
-        tp_size=args.tp_size, max_total_tokens=16384, cuda_graph_max_bs=args.batch,
-        attention_backend=args.attention_backend,
+        tp_size=args.tp_size, max_total_tokens=max(16384, args.batch * context + 64),
+        max_running_requests=args.batch, cuda_graph_max_bs=args.batch,
+        disable_cuda_graph=args.eager, attention_backend=args.attention_backend,
         enable_flashinfer_allreduce_fusion=args.enable_flashinfer_allreduce_fusion,
     )  # fmt: skip
     config = AutoConfig.from_pretrained(path)
     runner = ModelRunner(options, config, config.max_position_embeddings, [], tp)
-    graphs = runner.graph_runner
-    graph = graphs.graphs[padded_size(graphs.sizes, args.batch)]
+    step = _step(runner, args.batch, context) if args.context or args.eager else None
+    if step is None:
+        graphs = runner.graph_runner
+        step = graphs.graphs[padded_size(graphs.sizes, args.batch)].replay
     for _ in range(WARMUP):
-        graph.replay()
+        step()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(args.iters):
-        graph.replay()
+        step()
     end.record()
     torch.cuda.synchronize()
     results.put((rank, start.elapsed_time(end) / args.iters))
+    if args.kernels and rank == 0:
+        _print_kernels(step, args.kernels)
+    elif args.kernels:
+        for _ in range(PROFILED):  # the collectives need every rank
+            step()
+        torch.cuda.synchronize()
     if args.tp_size > 1:
         dist.barrier()
     # Without destroy_process_group: with CUDA graphs that captured its collectives still
     # alive it blocked (and the engine's ranks never call it either); exiting frees it all.
     os._exit(0)
+
+
+PROFILED = 10
+
+
+def _step(runner, batch: int, context: int):
+    """A decode step of `batch` requests over `context` tokens each (request i's KV in slots
+    i * context + 1 ...: slot 0 is the graphs' padding), run as the engine runs it: from the
+    graph of its size, or eagerly when there is none. Returns the step as a callable."""
+    from rollout.forward.forward_batch import ForwardBatch, ForwardMode
+
+    device = runner.device
+    rows = torch.arange(batch, dtype=torch.int64, device=device)
+    slots = 1 + rows[:, None] * context + torch.arange(context, device=device)[None, :]
+    runner.req_to_token.table[:batch, :context] = slots
+    last = slots[:, -1].contiguous()
+    fb = ForwardBatch(
+        mode=ForwardMode.DECODE, input_ids=torch.ones(batch, dtype=torch.int64, device=device),
+        positions=torch.full((batch,), context - 1, dtype=torch.int64, device=device),
+        out_cache_loc=last, req_pool_indices=rows,
+        seq_lens=torch.full((batch,), context, dtype=torch.int64, device=device),
+        extend_lens=torch.ones(batch, dtype=torch.int64, device=device),
+        req_to_token=runner.req_to_token.table, kv_pool=runner.kv_pool,
+        attn_backend=runner.attn_backend, seq_lens_cpu=[context] * batch,
+        extend_lens_cpu=[1] * batch,
+    )  # fmt: skip
+
+    @torch.inference_mode()
+    def step() -> torch.Tensor:
+        return runner._run_model(fb)
+
+    return step
+
+
+def _print_kernels(step, count: int) -> None:
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(PROFILED):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="self_cuda_time_total", row_limit=count, max_name_column_width=70
+    )
+    print(f"--- rank 0, {PROFILED} steps\n{table}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -94,6 +156,9 @@ def main() -> None:
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--context", type=int, default=0, help="KV tokens each request attends over")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs: the plan and forward each step")
+    parser.add_argument("--kernels", type=int, default=0, help="print rank 0's top N kernels")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-collectives", action="store_true")
     parser.add_argument("--enable-flashinfer-allreduce-fusion", action="store_true")
@@ -109,7 +174,7 @@ def main() -> None:
     times = dict(results.get(timeout=900) for _ in procs)
     print(json.dumps({
         "bench": "tp_forward", "model": args.model, "tp_size": args.tp_size, "batch": args.batch,
-        "collectives": not args.no_collectives,
+        "context": args.context, "eager": args.eager, "collectives": not args.no_collectives,
         "allreduce_fusion": args.enable_flashinfer_allreduce_fusion, "replay_ms": round(times[0], 4),
         "replay_ms_by_rank": [round(times[r], 4) for r in sorted(times)],
         "device": torch.cuda.get_device_name(0),
