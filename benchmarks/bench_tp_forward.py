@@ -14,7 +14,8 @@ the host's. --no-collectives replaces the all-reduce and all-gather with local s
 same shapes (wrong numbers, right kernels otherwise): the collectives' share.
 
 With --context L each of the --batch requests attends over L tokens of its own (distinct KV
-slots, the pool sized to hold them all): the large decode steps of a long workload, whose
+slots, the pool sized to hold them all; with --decoded F the last F of them in the slots a
+decode step allocates, one a request, interleaved over the batch): the large decode steps of a long workload, whose
 attention the default (one token each) leaves out. --eager runs such a step as the engine runs
 a batch past its largest graph (the attention backend's plan, then the model's forward, each
 iteration). --kernels N prints rank 0's N kernels of most device time over the timed steps.
@@ -79,7 +80,7 @@ def _rank(rank: int, args: argparse.Namespace, path: str, port: int, results) ->
     )  # fmt: skip
     config = AutoConfig.from_pretrained(path)
     runner = ModelRunner(options, config, config.max_position_embeddings, [], tp)
-    step = _step(runner, args.batch, context) if args.context or args.eager else None
+    step = _step(runner, args.batch, context, args.decoded) if args.context or args.eager else None
     if step is None:
         graphs = runner.graph_runner
         step = graphs.graphs[padded_size(graphs.sizes, args.batch)].replay
@@ -109,15 +110,21 @@ def _rank(rank: int, args: argparse.Namespace, path: str, port: int, results) ->
 PROFILED = 10
 
 
-def _step(runner, batch: int, context: int):
-    """A decode step of `batch` requests over `context` tokens each (request i's KV in slots
-    i * context + 1 ...: slot 0 is the graphs' padding), run as the engine runs it: from the
-    graph of its size, or eagerly when there is none. Returns the step as a callable."""
+def _step(runner, batch: int, context: int, decoded: float = 0.0):
+    """A decode step of `batch` requests over `context` tokens each, run as the engine runs
+    it: from the graph of its size, or eagerly when there is none. Returns the step as a
+    callable. The KV slots are laid out as the engine's allocator leaves them (slot 0 is the
+    graphs' padding): the last `decoded` share of each request's tokens came one a step."""
     from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 
     device = runner.device
     rows = torch.arange(batch, dtype=torch.int64, device=device)
-    slots = 1 + rows[:, None] * context + torch.arange(context, device=device)[None, :]
+    prompt = context - round(decoded * context)
+    # The prompt's slots in one run a request (a prefill allocates them together), the decoded
+    # tokens' interleaved over the batch (each decode step allocates one slot a request).
+    slots = 1 + rows[:, None] * prompt + torch.arange(prompt, device=device)[None, :]
+    steps = torch.arange(context - prompt, device=device)[None, :]
+    slots = torch.cat([slots, 1 + batch * prompt + steps * batch + rows[:, None]], dim=1)
     runner.req_to_token.table[:batch, :context] = slots
     last = slots[:, -1].contiguous()
     fb = ForwardBatch(
@@ -157,6 +164,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--context", type=int, default=0, help="KV tokens each request attends over")
+    parser.add_argument("--decoded", type=float, default=0.0,
+                        help="share of each context decoded one token a step (slots interleaved over the batch)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs: the plan and forward each step")
     parser.add_argument("--kernels", type=int, default=0, help="print rank 0's top N kernels")
     parser.add_argument("--attention-backend", default="auto")
@@ -174,7 +183,7 @@ def main() -> None:
     times = dict(results.get(timeout=900) for _ in procs)
     print(json.dumps({
         "bench": "tp_forward", "model": args.model, "tp_size": args.tp_size, "batch": args.batch,
-        "context": args.context, "eager": args.eager, "collectives": not args.no_collectives,
+        "context": args.context, "decoded": args.decoded, "eager": args.eager, "collectives": not args.no_collectives,
         "allreduce_fusion": args.enable_flashinfer_allreduce_fusion, "replay_ms": round(times[0], 4),
         "replay_ms_by_rank": [round(times[r], 4) for r in sorted(times)],
         "device": torch.cuda.get_device_name(0),
