@@ -94,6 +94,9 @@ def _rank(rank: int, args: argparse.Namespace, path: str, port: int, results) ->
     end.record()
     torch.cuda.synchronize()
     results.put((rank, start.elapsed_time(end) / args.iters))
+    # The queue's feeder thread sends the result; os._exit below would drop it unsent.
+    results.close()
+    results.join_thread()
     if args.kernels and rank == 0:
         _print_kernels(step, args.kernels)
     elif args.kernels:
