@@ -98,7 +98,9 @@ class KernelOptions:
         "before it ends: rollout_kernels.pdl)",
     )
     cuda_graph_max_bs: int = _opt(
-        256, "largest decode batch replayed from a CUDA graph (capped by max_running_requests)"
+        256,
+        "largest decode batch replayed from a CUDA graph (capped by max_running_requests); "
+        "larger batches run eagerly",
     )
     cuda_graph_max_extend_tokens: int = _opt(
         512,

@@ -163,10 +163,11 @@ def test_cuda_graphs_where_the_backends_capture_up_to_the_smallest_bound(package
     plan = plan_for(CUDA, torch.bfloat16)
     assert plan.cuda_graphs and plan.cuda_graph_max_bs == 256
     assert plan_for(CUDA, torch.bfloat16, cuda_graph_max_bs=64).cuda_graph_max_bs == 64
-    # Capped by the running requests, and by the largest batch worth a graph.
+    # Capped by the running requests only: a larger bound asked for is captured.
     assert plan_for(CUDA, torch.bfloat16, max_running_requests=24).cuda_graph_max_bs == 24
     large = plan_for(CUDA, torch.bfloat16, cuda_graph_max_bs=512, max_running_requests=1024)
-    assert large.cuda_graph_max_bs == 256
+    assert large.cuda_graph_max_bs == 512
+    assert plan_for(CUDA, torch.bfloat16, cuda_graph_max_bs=512, max_running_requests=300).cuda_graph_max_bs == 300
     off = plan_for(CUDA, torch.bfloat16, disable_cuda_graph=True)
     assert (off.cuda_graphs, off.cuda_graph_max_bs) == (False, 0)
     assert not plan_for(CPU, torch.float32).cuda_graphs

@@ -36,8 +36,6 @@ SKINNY_MIN_WEIGHT = 1 << 25
 # beats torch's ops only from a few dozen rows on (benchmarks/RESULTS.md); without
 # filters it draws each row in chunks and wins at any number of rows.
 SAMPLING_KERNEL_MIN_ROWS = 32
-# Larger decode batches run eagerly: their launch overhead is small next to their work.
-MAX_GRAPH_BATCH_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -137,7 +135,7 @@ def resolve_kernel_plan(
         skinny_gemm_max_rows=kopts.skinny_gemm_max_rows if fused else 0,
         skinny_gemm_min_weight=SKINNY_MIN_WEIGHT,
         cuda_graphs=graphs,
-        cuda_graph_max_bs=min(max_bs, MAX_GRAPH_BATCH_SIZE) if graphs else 0,
+        cuda_graph_max_bs=max_bs if graphs else 0,
         sampling_kernel=fused,
         sampling_kernel_min_rows=SAMPLING_KERNEL_MIN_ROWS,
         logprob_kernel=fused and device.type == "cuda",
@@ -228,7 +226,7 @@ def _deterministic_plan(options: EngineOptions, device: torch.device) -> KernelP
         skinny_gemm_max_rows=0,
         skinny_gemm_min_weight=SKINNY_MIN_WEIGHT,
         cuda_graphs=graphs,
-        cuda_graph_max_bs=min(max_bs, MAX_GRAPH_BATCH_SIZE) if graphs else 0,
+        cuda_graph_max_bs=max_bs if graphs else 0,
         # The kernel's passes follow the batch's filters (a row without top-p runs the top-p
         # pass when another row has one): here each filter set's rows get a launch of their own.
         sampling_kernel=False,
