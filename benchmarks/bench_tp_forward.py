@@ -18,7 +18,9 @@ slots, the pool sized to hold them all; with --decoded F the last F of them in t
 decode step allocates, one a request, interleaved over the batch): the large decode steps of a long workload, whose
 attention the default (one token each) leaves out. --eager runs such a step as the engine runs
 a batch past its largest graph (the attention backend's plan, then the model's forward, each
-iteration). --kernels N prints rank 0's N kernels of most device time over the timed steps.
+iteration). host_ms is the host's time to queue one step with the device idle (the graph's
+replay, or the eager forward's launches). --kernels N prints rank 0's N kernels of most device
+time over the timed steps.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,7 +97,16 @@ def _rank(rank: int, args: argparse.Namespace, path: str, port: int, results) ->
         step()
     end.record()
     torch.cuda.synchronize()
-    results.put((rank, start.elapsed_time(end) / args.iters))
+    # The host's time to queue one step, the device idle before it (each step alone: the
+    # launch queue never fills, so nothing here waits for the device).
+    queued = []
+    for _ in range(HOST_STEPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        queued.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    results.put((rank, start.elapsed_time(end) / args.iters, statistics.median(queued) * 1e3))
     # The queue's feeder thread sends the result; os._exit below would drop it unsent.
     results.close()
     results.join_thread()
@@ -111,6 +124,7 @@ def _rank(rank: int, args: argparse.Namespace, path: str, port: int, results) ->
 
 
 PROFILED = 10
+HOST_STEPS = 5
 
 
 def _step(runner, batch: int, context: int, decoded: float = 0.0):
@@ -175,6 +189,8 @@ def main() -> None:
     parser.add_argument("--no-collectives", action="store_true")
     parser.add_argument("--enable-flashinfer-allreduce-fusion", action="store_true")
     args = parser.parse_args()
+    if args.no_collectives and args.enable_flashinfer_allreduce_fusion:
+        parser.error("--no-collectives replaces the unfused all-reduce only: the fused one would still run")
     if torch.cuda.device_count() < args.tp_size:
         parser.error(f"--tp-size {args.tp_size} needs as many GPUs, found {torch.cuda.device_count()}")
     path = write_config_checkpoint(args.model, tempfile.mkdtemp(prefix=f"rollout-{args.model}-"))
@@ -183,12 +199,16 @@ def main() -> None:
     procs = [ctx.Process(target=_rank, args=(r, args, path, port, results)) for r in range(args.tp_size)]
     for p in procs:
         p.start()
-    times = dict(results.get(timeout=900) for _ in procs)
+    times, host = {}, {}
+    for _ in procs:
+        rank, ms, host_ms = results.get(timeout=900)
+        times[rank], host[rank] = ms, host_ms
     print(json.dumps({
         "bench": "tp_forward", "model": args.model, "tp_size": args.tp_size, "batch": args.batch,
         "context": args.context, "decoded": args.decoded, "eager": args.eager, "collectives": not args.no_collectives,
         "allreduce_fusion": args.enable_flashinfer_allreduce_fusion, "replay_ms": round(times[0], 4),
         "replay_ms_by_rank": [round(times[r], 4) for r in sorted(times)],
+        "host_ms_by_rank": [round(host[r], 3) for r in sorted(host)],
         "device": torch.cuda.get_device_name(0),
     }), flush=True)  # fmt: skip
     for p in procs:
