@@ -79,7 +79,8 @@ def _rank(rank: int, args: argparse.Namespace, path: str, port: int, results) ->
         model_path=path, load_format="dummy", dtype="bfloat16", device=f"cuda:{rank}",
         tp_size=args.tp_size, max_total_tokens=max(16384, args.batch * context + 64),
         max_running_requests=args.batch, cuda_graph_max_bs=args.batch,
-        disable_cuda_graph=args.eager, attention_backend=args.attention_backend,
+        disable_cuda_graph=args.eager, disable_pdl=args.disable_pdl,
+        attention_backend=args.attention_backend,
         enable_flashinfer_allreduce_fusion=args.enable_flashinfer_allreduce_fusion,
     )  # fmt: skip
     config = AutoConfig.from_pretrained(path)
@@ -184,6 +185,7 @@ def main() -> None:
     parser.add_argument("--decoded", type=float, default=0.0,
                         help="share of each context decoded one token a step (slots interleaved over the batch)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs: the plan and forward each step")
+    parser.add_argument("--disable-pdl", action="store_true", help="no programmatic dependent launch")
     parser.add_argument("--kernels", type=int, default=0, help="print rank 0's top N kernels")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-collectives", action="store_true")
@@ -205,7 +207,8 @@ def main() -> None:
         times[rank], host[rank] = ms, host_ms
     print(json.dumps({
         "bench": "tp_forward", "model": args.model, "tp_size": args.tp_size, "batch": args.batch,
-        "context": args.context, "decoded": args.decoded, "eager": args.eager, "collectives": not args.no_collectives,
+        "context": args.context, "decoded": args.decoded, "eager": args.eager,
+        "pdl": not args.disable_pdl, "collectives": not args.no_collectives,
         "allreduce_fusion": args.enable_flashinfer_allreduce_fusion, "replay_ms": round(times[0], 4),
         "replay_ms_by_rank": [round(times[r], 4) for r in sorted(times)],
         "host_ms_by_rank": [round(host[r], 3) for r in sorted(host)],
