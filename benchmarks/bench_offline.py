@@ -290,14 +290,16 @@ def compiled_between(before: dict, after: dict) -> dict[str, int]:
 
 def step_times(before: dict, after: dict) -> dict:
     """The timed run's steps by kind (extend, decode by batch-size bucket): how many, and the
-    device's milliseconds a step, from get_server_info's device_busy_by_step before and after."""
+    device's milliseconds a step, from get_server_info's device_busy_by_step before and after;
+    host_ms, the host's milliseconds queueing one (near device_ms: the device waited for it)."""
     out = {}
     for kind, now in after.items():
-        was = before.get(kind, {"steps": 0, "seconds": 0.0})
+        was = before.get(kind, {"steps": 0, "seconds": 0.0, "host_seconds": 0.0})
         steps = now["steps"] - was["steps"]
         if steps:
             ms = 1000 * (now["seconds"] - was["seconds"]) / steps
-            out[kind] = {"steps": steps, "device_ms": round(ms, 3)}
+            host = 1000 * (now.get("host_seconds", 0.0) - was.get("host_seconds", 0.0)) / steps
+            out[kind] = {"steps": steps, "device_ms": round(ms, 3), "host_ms": round(host, 3)}
     return out
 
 

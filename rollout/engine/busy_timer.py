@@ -7,7 +7,9 @@ the wall time. A span is summed once its end event has completed: checked, never
 the CPU a launch computes the whole step, so the host's time inside it is the step's.
 
 Each span is also counted under its step's kind (`step_kind`: extend, or decode with the batch
-size's bucket), so a benchmark can tell which batch sizes a run's device time went to.
+size's bucket), so a benchmark can tell which batch sizes a run's device time went to, beside
+the host's own time queueing those steps: where the two are close, the device waited for the
+host inside the steps (a batch launched eagerly, kernel by kernel, on a busy host).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class BusyTimer:
         self.cuda = device.type == "cuda"
         self._seconds = 0.0
         self._by_kind: dict[str, list] = {}  # kind -> [steps, seconds]
+        self._host_by_kind: dict[str, float] = {}  # kind -> the host's seconds in its launches
         self._pending: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque()
 
     def time(self, launch: Callable[[], T], kind: str = "step") -> T:
@@ -50,14 +53,21 @@ class BusyTimer:
         if not self.cuda:
             start = time.perf_counter()
             result = launch()
-            self._add(kind, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self._add_host(kind, seconds)
+            self._add(kind, seconds)
             return result
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = time.perf_counter()
         begin.record()
         result = launch()
         end.record()
+        self._add_host(kind, time.perf_counter() - start)
         self._pending.append((kind, begin, end))
         return result
+
+    def _add_host(self, kind: str, seconds: float) -> None:
+        self._host_by_kind[kind] = self._host_by_kind.get(kind, 0.0) + seconds
 
     def collect(self) -> None:
         """Adds the spans of the steps the device has finished (in launch order)."""
@@ -73,9 +83,13 @@ class BusyTimer:
 
     @property
     def by_kind(self) -> dict[str, dict[str, float]]:
-        """Steps finished so far and their device seconds, by kind."""
+        """Steps finished so far and their device seconds, by kind; `host_seconds`: the host's
+        time queueing every step of the kind launched so far (one still running included)."""
         self.collect()
-        return {k: {"steps": n, "seconds": s} for k, (n, s) in sorted(self._by_kind.items())}
+        return {
+            k: {"steps": n, "seconds": s, "host_seconds": self._host_by_kind.get(k, 0.0)}
+            for k, (n, s) in sorted(self._by_kind.items())
+        }
 
     @property
     def seconds(self) -> float:
