@@ -298,7 +298,7 @@ def step_times(before: dict, after: dict) -> dict:
         steps = now["steps"] - was["steps"]
         if steps:
             ms = 1000 * (now["seconds"] - was["seconds"]) / steps
-            host = 1000 * (now.get("host_seconds", 0.0) - was.get("host_seconds", 0.0)) / steps
+            host = 1000 * (now["host_seconds"] - was["host_seconds"]) / steps
             out[kind] = {"steps": steps, "device_ms": round(ms, 3), "host_ms": round(host, 3)}
     return out
 

@@ -42,6 +42,8 @@ import torch  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
 
 WARMUP = 20
+PROFILED = 10  # steps --kernels profiles
+HOST_STEPS = 5  # steps host_ms is the median of
 
 
 def _free_port() -> int:
@@ -124,37 +126,31 @@ def _rank(rank: int, args: argparse.Namespace, path: str, port: int, results) ->
     os._exit(0)
 
 
-PROFILED = 10
-HOST_STEPS = 5
-
-
 def _step(runner, batch: int, context: int, decoded: float = 0.0):
-    """A decode step of `batch` requests over `context` tokens each, run as the engine runs
-    it: from the graph of its size, or eagerly when there is none. Returns the step as a
-    callable. The KV slots are laid out as the engine's allocator leaves them (slot 0 is the
-    graphs' padding): the last `decoded` share of each request's tokens came one a step."""
-    from rollout.forward.forward_batch import ForwardBatch, ForwardMode
+    """A decode step of `batch` requests over `context` tokens each, built and run as the
+    engine builds and runs it (ModelRunner's own decode batch; from the graph of its size, or
+    eagerly when there is none). Returns the step as a callable. The KV slots are laid out as
+    the engine's allocator leaves them (slot 0 is the graphs' padding): the last `decoded`
+    share of each request's tokens came one a step."""
+    from rollout.engine.messages import TokenizedRequest
+    from rollout.engine.req import Req, ScheduleBatch
+    from rollout.engine.sampling_params import SamplingParams
+    from rollout.forward.forward_batch import ForwardMode
 
-    device = runner.device
-    rows = torch.arange(batch, dtype=torch.int64, device=device)
+    rows = torch.arange(batch, dtype=torch.int64)
     prompt = context - round(decoded * context)
     # The prompt's slots in one run a request (a prefill allocates them together), the decoded
     # tokens' interleaved over the batch (each decode step allocates one slot a request).
-    slots = 1 + rows[:, None] * prompt + torch.arange(prompt, device=device)[None, :]
-    steps = torch.arange(context - prompt, device=device)[None, :]
+    slots = 1 + rows[:, None] * prompt + torch.arange(prompt)[None, :]
+    steps = torch.arange(context - prompt)[None, :]
     slots = torch.cat([slots, 1 + batch * prompt + steps * batch + rows[:, None]], dim=1)
-    runner.req_to_token.table[:batch, :context] = slots
-    last = slots[:, -1].contiguous()
-    fb = ForwardBatch(
-        mode=ForwardMode.DECODE, input_ids=torch.ones(batch, dtype=torch.int64, device=device),
-        positions=torch.full((batch,), context - 1, dtype=torch.int64, device=device),
-        out_cache_loc=last, req_pool_indices=rows,
-        seq_lens=torch.full((batch,), context, dtype=torch.int64, device=device),
-        extend_lens=torch.ones(batch, dtype=torch.int64, device=device),
-        req_to_token=runner.req_to_token.table, kv_pool=runner.kv_pool,
-        attn_backend=runner.attn_backend, seq_lens_cpu=[context] * batch,
-        extend_lens_cpu=[1] * batch,
-    )  # fmt: skip
+    runner.req_to_token.table[:batch, :context] = slots.to(runner.device)
+    reqs = [
+        Req(TokenizedRequest(str(i), [1], SamplingParams()), 1, row=i, kv_len=context - 1)
+        for i in range(batch)
+    ]
+    schedule = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * batch, slots[:, -1].contiguous())
+    fb = runner._build_decode(schedule)[0]
 
     @torch.inference_mode()
     def step() -> torch.Tensor:
