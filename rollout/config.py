@@ -98,7 +98,7 @@ class KernelOptions:
         "before it ends: rollout_kernels.pdl)",
     )
     cuda_graph_max_bs: int = _opt(
-        256,
+        512,
         "largest decode batch replayed from a CUDA graph (capped by max_running_requests); "
         "larger batches run eagerly",
     )
