@@ -9,6 +9,8 @@ and every program streams its rows of W once; the rows of x (at most BLOCK_M) ri
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +19,27 @@ from rollout_kernels.pdl import launch_options, pdl_start
 from rollout_kernels.precision import dot_precision
 
 MAX_ROWS = 16  # x rows one launch takes; more rows are a job for a real GEMM
+
+
+@functools.cache
+def _shared_memory(device_index: int) -> int:
+    """Bytes of shared memory one program may use on the GPU (its opt-in maximum)."""
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def fit_stages(
+    block_n: int, block_k: int, num_stages: int, element_size: int, device: torch.device
+) -> int:
+    """num_stages, lowered (to 1 at least) until the pipeline's tiles of W, block_k x block_n
+    each, fit in `device`'s shared memory: a balanced launch's wider tiles at the engine's 5
+    stages (64 features of Qwen2.5-7B's q/k/v a program) would ask an H100 for 320 KiB."""
+    if device.type != "cuda":
+        return num_stages
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    limit = _shared_memory(index)
+    while num_stages > 1 and num_stages * block_k * block_n * element_size > limit:
+        num_stages -= 1
+    return num_stages
 
 
 @triton.jit
@@ -106,6 +129,7 @@ def skinny_gemm(
             raise ValueError(f"skinny_gemm needs programs >= 1, got {programs}")
         cols_per = triton.cdiv(n, programs)
         block_n, grid = max(16, triton.next_power_of_2(cols_per)), triton.cdiv(n, cols_per)
+    num_stages = fit_stages(block_n, block_k, num_stages, x.element_size(), x.device)
     _skinny_gemm_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, y,
         m, n, k, cols_per,

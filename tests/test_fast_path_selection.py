@@ -25,7 +25,12 @@ from rollout.forward.attention.flashinfer_backend import (
     tensor_aware_max,
 )
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
-from rollout.forward.kernel_plan import SKINNY_MIN_WEIGHT, KernelPlan, resolve_kernel_plan
+from rollout.forward.kernel_plan import (
+    SKINNY_MIN_WEIGHT,
+    SKINNY_MIN_WEIGHT_TP,
+    KernelPlan,
+    resolve_kernel_plan,
+)
 from rollout.real_configs import REAL_CONFIGS
 
 CUDA = torch.device("cuda", 0)
@@ -136,6 +141,8 @@ def test_the_gpu_backends_bring_the_fused_kernels_and_torch_stays_the_reference(
     gpu = plan_for(CUDA, torch.bfloat16, skinny_gemm_max_rows=8)
     assert gpu.fused_kernels and gpu.sampling_kernel
     assert (gpu.skinny_gemm_max_rows, gpu.skinny_gemm_min_weight) == (8, SKINNY_MIN_WEIGHT)
+    # A rank's shards of q/k/v and o at tp 2 take the skinny kernel too.
+    assert plan_for(CUDA, torch.bfloat16, tp_size=2).skinny_gemm_min_weight == SKINNY_MIN_WEIGHT_TP
     default = KernelOptions().skinny_gemm_max_rows
     assert plan_for(CUDA, torch.bfloat16).skinny_gemm_max_rows == default
     assert plan_for(CUDA, torch.bfloat16, skinny_gemm_max_rows=0).skinny_gemm_max_rows == 0
@@ -588,3 +595,17 @@ def test_an_extend_graph_plans_the_batch_then_empty_slots_then_the_padding(monke
         backend.prepare_extend_graph(32, 4, None)
     backend.prepare(fb)  # an eager extend plans the eager wrapper and runs on it
     assert backend._extend is backend.extend_wrapper
+
+
+def test_the_skinny_gemm_spreads_the_small_weights_of_tp_ranks_over_every_sm(monkeypatch):
+    # Qwen2.5-7B at tp 2: a rank's q/k/v (2304 x 3584) and o (3584 x 1792) shards, under
+    # SKINNY_MIN_WEIGHT, launch one program an SM; its down shard (3584 x 9472), gate/up and
+    # the weights at tp 1 keep a program per tile of 32 features. Off a GPU: the tiles.
+    from rollout.models import layers
+
+    monkeypatch.setattr(layers, "_sm_count", lambda index: 132)
+    assert layers.skinny_programs(2304 * 3584, CUDA) == 132
+    assert layers.skinny_programs(3584 * 1792, CUDA) == 132
+    assert layers.skinny_programs(3584 * 9472, CUDA) is None
+    assert layers.skinny_programs(3584 * 18944, CUDA) is None
+    assert layers.skinny_programs(2304 * 3584, CPU) is None

@@ -32,6 +32,10 @@ DECODE_AUTO = {"flashinfer": "triton"}
 # faster (Qwen2.5-7B's q/k/v and o projections; the skinny kernel wins on gate/up, down and the
 # LM head: benchmarks/bench_gemv.py, benchmarks/RESULTS.md).
 SKINNY_MIN_WEIGHT = 1 << 25
+# ... at tp > 1, where a rank's shards of q/k/v and o are a fraction of those and torch's GEMM
+# starts fewer programs than the GPU has SMs on them (Qwen2.5-7B at tp 2: 72 and 112 tiles of
+# 32): the skinny kernel spreads them over every SM (models/layers.py, skinny_launch).
+SKINNY_MIN_WEIGHT_TP = 1 << 22
 # With filters (top-k, top-p, min-p) the sampling kernel gives one program to one row, which
 # beats torch's ops only from a few dozen rows on (benchmarks/RESULTS.md); without
 # filters it draws each row in chunks and wins at any number of rows.
@@ -133,7 +137,9 @@ def resolve_kernel_plan(
         decode_max_batch=decode.max_batch,
         fused_kernels=fused,
         skinny_gemm_max_rows=kopts.skinny_gemm_max_rows if fused else 0,
-        skinny_gemm_min_weight=SKINNY_MIN_WEIGHT,
+        skinny_gemm_min_weight=(
+            SKINNY_MIN_WEIGHT if options.parallel.tp_size == 1 else SKINNY_MIN_WEIGHT_TP
+        ),
         cuda_graphs=graphs,
         cuda_graph_max_bs=max_bs if graphs else 0,
         sampling_kernel=fused,
@@ -224,7 +230,9 @@ def _deterministic_plan(options: EngineOptions, device: torch.device) -> KernelP
         decode_max_batch=None,
         fused_kernels=True,
         skinny_gemm_max_rows=0,
-        skinny_gemm_min_weight=SKINNY_MIN_WEIGHT,
+        skinny_gemm_min_weight=(
+            SKINNY_MIN_WEIGHT if options.parallel.tp_size == 1 else SKINNY_MIN_WEIGHT_TP
+        ),
         cuda_graphs=graphs,
         cuda_graph_max_bs=max_bs if graphs else 0,
         # The kernel's passes follow the batch's filters (a row without top-p runs the top-p

@@ -79,3 +79,17 @@ def test_skinny_gemm_rejects_what_it_cannot_do(device):
         skinny_gemm(torch.zeros(MAX_ROWS + 1, 16, device=device), w)
     with pytest.raises(ValueError, match="programs >= 1, got 0"):
         skinny_gemm(torch.zeros(1, 16, device=device), w, programs=0)
+
+
+def test_the_pipeline_is_shortened_to_fit_the_gpus_shared_memory(monkeypatch):
+    # An H100 lets a program use 227 KiB. The engine's tiles (32 features by 512 of K, 5
+    # stages: 160 KiB in bf16) keep their stages; a balanced launch's 64 features a program
+    # would ask 320 KiB at 5 stages and gets 3 (192 KiB); off a GPU nothing changes.
+    import rollout_kernels.skinny_gemm as skinny_module
+
+    monkeypatch.setattr(skinny_module, "_shared_memory", lambda index: 232448)
+    gpu = torch.device("cuda", 0)
+    assert skinny_module.fit_stages(32, 512, 5, 2, gpu) == 5
+    assert skinny_module.fit_stages(64, 512, 5, 2, gpu) == 3
+    assert skinny_module.fit_stages(1024, 512, 5, 4, gpu) == 1  # never below one stage
+    assert skinny_module.fit_stages(64, 512, 5, 2, torch.device("cpu")) == 5
