@@ -22,9 +22,11 @@ MAX_ROWS = 16  # x rows one launch takes; more rows are a job for a real GEMM
 
 
 @functools.cache
-def _shared_memory(device_index: int) -> int:
-    """Bytes of shared memory one program may use on the GPU (its opt-in maximum)."""
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+def _shared_memory(device_index: int) -> int | None:
+    """Bytes of shared memory one program may use on the GPU (its opt-in maximum); None where
+    torch does not say."""
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", None)
 
 
 def fit_stages(
@@ -37,7 +39,7 @@ def fit_stages(
         return num_stages
     index = device.index if device.index is not None else torch.cuda.current_device()
     limit = _shared_memory(index)
-    while num_stages > 1 and num_stages * block_k * block_n * element_size > limit:
+    while limit and num_stages > 1 and num_stages * block_k * block_n * element_size > limit:
         num_stages -= 1
     return num_stages
 
