@@ -34,7 +34,7 @@ DECODE_AUTO = {"flashinfer": "triton"}
 SKINNY_MIN_WEIGHT = 1 << 25
 # ... at tp > 1, where a rank's shards of q/k/v and o are a fraction of those and torch's GEMM
 # starts fewer programs than the GPU has SMs on them (Qwen2.5-7B at tp 2: 72 and 112 tiles of
-# 32): the skinny kernel spreads them over every SM (models/layers.py, skinny_launch).
+# 32): the skinny kernel spreads them over every SM (models/layers.py, skinny_programs).
 SKINNY_MIN_WEIGHT_TP = 1 << 22
 # With filters (top-k, top-p, min-p) the sampling kernel gives one program to one row, which
 # beats torch's ops only from a few dozen rows on (benchmarks/RESULTS.md); without
@@ -137,9 +137,7 @@ def resolve_kernel_plan(
         decode_max_batch=decode.max_batch,
         fused_kernels=fused,
         skinny_gemm_max_rows=kopts.skinny_gemm_max_rows if fused else 0,
-        skinny_gemm_min_weight=(
-            SKINNY_MIN_WEIGHT if options.parallel.tp_size == 1 else SKINNY_MIN_WEIGHT_TP
-        ),
+        skinny_gemm_min_weight=_skinny_min_weight(options),
         cuda_graphs=graphs,
         cuda_graph_max_bs=max_bs if graphs else 0,
         sampling_kernel=fused,
@@ -149,6 +147,11 @@ def resolve_kernel_plan(
         programmatic_launch=fused and _pdl_supported(options, device),
         extend_graph_max_tokens=_extend_graph_max_tokens(options, extend, graphs),
     )
+
+
+def _skinny_min_weight(options: EngineOptions) -> int:
+    """The smallest weight the skinny GEMM takes: a tp rank's shards take it from a smaller."""
+    return SKINNY_MIN_WEIGHT if options.parallel.tp_size == 1 else SKINNY_MIN_WEIGHT_TP
 
 
 def _extend_graph_max_tokens(options: EngineOptions, extend: str, graphs: bool) -> int:
@@ -230,9 +233,7 @@ def _deterministic_plan(options: EngineOptions, device: torch.device) -> KernelP
         decode_max_batch=None,
         fused_kernels=True,
         skinny_gemm_max_rows=0,
-        skinny_gemm_min_weight=(
-            SKINNY_MIN_WEIGHT if options.parallel.tp_size == 1 else SKINNY_MIN_WEIGHT_TP
-        ),
+        skinny_gemm_min_weight=_skinny_min_weight(options),
         cuda_graphs=graphs,
         cuda_graph_max_bs=max_bs if graphs else 0,
         # The kernel's passes follow the batch's filters (a row without top-p runs the top-p
