@@ -30,16 +30,20 @@ def _shared_memory(device_index: int) -> int | None:
 
 
 def fit_stages(
-    block_n: int, block_k: int, num_stages: int, element_size: int, device: torch.device
+    block_n: int, block_k: int, num_stages: int, element_size: int, device: torch.device,
+    x_rows: int = MAX_ROWS,
 ) -> int:
-    """num_stages, lowered (to 1 at least) until the pipeline's tiles of W, block_k x block_n
-    each, fit in `device`'s shared memory: a balanced launch's wider tiles at the engine's 5
-    stages (64 features of Qwen2.5-7B's q/k/v a program) would ask an H100 for 320 KiB."""
+    """num_stages, lowered (to 1 at least) until the pipeline fits in `device`'s shared memory.
+    Triton's pipeline of num_stages keeps num_stages - 1 slices in flight, each a block_k wide
+    slice of W's block_n features and of x's `x_rows` rows: a balanced launch's wider tiles at
+    the engine's 5 stages (64 features of Qwen2.5-7B's q/k/v a program) would ask an H100 for
+    320 KiB."""
     if device.type != "cuda":
         return num_stages
     index = device.index if device.index is not None else torch.cuda.current_device()
     limit = _shared_memory(index)
-    while limit and num_stages > 1 and num_stages * block_k * block_n * element_size > limit:
+    stage = block_k * (block_n + x_rows) * element_size
+    while limit and num_stages > 1 and (num_stages - 1) * stage > limit:
         num_stages -= 1
     return num_stages
 

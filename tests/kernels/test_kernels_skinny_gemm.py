@@ -82,14 +82,17 @@ def test_skinny_gemm_rejects_what_it_cannot_do(device):
 
 
 def test_the_pipeline_is_shortened_to_fit_the_gpus_shared_memory(monkeypatch):
-    # An H100 lets a program use 227 KiB. The engine's tiles (32 features by 512 of K, 5
-    # stages: 160 KiB in bf16) keep their stages; a balanced launch's 64 features a program
-    # would ask 320 KiB at 5 stages and gets 3 (192 KiB); off a GPU nothing changes.
+    # An H100 lets a program use 227 KiB; a pipeline of S stages keeps S - 1 slices of W and x
+    # in shared memory. The engine's tiles (32 features by 512 of K, 16 rows of x, 5 stages:
+    # 192 KiB in bf16) keep their stages; a balanced launch's 64 features a program would ask
+    # 320 KiB at 5 stages and gets 3 (160 KiB); a launch reading 32 rows of x a slice would ask
+    # 256 KiB and gets 4; off a GPU nothing changes.
     import rollout_kernels.skinny_gemm as skinny_module
 
     monkeypatch.setattr(skinny_module, "_shared_memory", lambda index: 232448)
     gpu = torch.device("cuda", 0)
     assert skinny_module.fit_stages(32, 512, 5, 2, gpu) == 5
     assert skinny_module.fit_stages(64, 512, 5, 2, gpu) == 3
+    assert skinny_module.fit_stages(32, 512, 5, 2, gpu, x_rows=32) == 4
     assert skinny_module.fit_stages(1024, 512, 5, 4, gpu) == 1  # never below one stage
     assert skinny_module.fit_stages(64, 512, 5, 2, torch.device("cpu")) == 5
