@@ -97,10 +97,10 @@ class KernelOptions:
         "dependent launch (on Hopper and later GPUs, each kernel otherwise starts while the one "
         "before it ends: rollout_kernels.pdl)",
     )
-    cuda_graph_max_bs: int = _opt(
-        512,
+    cuda_graph_max_bs: int | None = _opt(
+        None,
         "largest decode batch replayed from a CUDA graph (capped by max_running_requests); "
-        "larger batches run eagerly",
+        "larger batches run eagerly. Default 256 at tp_size 1, 512 above",
     )
     cuda_graph_max_extend_tokens: int = _opt(
         512,
@@ -139,7 +139,7 @@ class KernelOptions:
                 f"skinny_gemm_max_rows must be in 0..{SKINNY_GEMM_MAX_ROWS}, "
                 f"got {self.skinny_gemm_max_rows}"
             )
-        if self.cuda_graph_max_bs < 1:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_max_extend_tokens < 0:
             raise ValueError(

@@ -25,12 +25,7 @@ from rollout.forward.attention.flashinfer_backend import (
     tensor_aware_max,
 )
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
-from rollout.forward.kernel_plan import (
-    SKINNY_MIN_WEIGHT,
-    SKINNY_MIN_WEIGHT_TP,
-    KernelPlan,
-    resolve_kernel_plan,
-)
+from rollout.forward.kernel_plan import SKINNY_MIN_WEIGHT, KernelPlan, resolve_kernel_plan
 from rollout.real_configs import REAL_CONFIGS
 
 CUDA = torch.device("cuda", 0)
@@ -141,8 +136,6 @@ def test_the_gpu_backends_bring_the_fused_kernels_and_torch_stays_the_reference(
     gpu = plan_for(CUDA, torch.bfloat16, skinny_gemm_max_rows=8)
     assert gpu.fused_kernels and gpu.sampling_kernel
     assert (gpu.skinny_gemm_max_rows, gpu.skinny_gemm_min_weight) == (8, SKINNY_MIN_WEIGHT)
-    # A rank's shards of q/k/v and o at tp 2 take the skinny kernel too.
-    assert plan_for(CUDA, torch.bfloat16, tp_size=2).skinny_gemm_min_weight == SKINNY_MIN_WEIGHT_TP
     default = KernelOptions().skinny_gemm_max_rows
     assert plan_for(CUDA, torch.bfloat16).skinny_gemm_max_rows == default
     assert plan_for(CUDA, torch.bfloat16, skinny_gemm_max_rows=0).skinny_gemm_max_rows == 0
@@ -168,7 +161,11 @@ def test_sampling_takes_the_kernel_from_a_few_dozen_filtered_rows_or_unfiltered(
 def test_cuda_graphs_where_the_backends_capture_up_to_the_smallest_bound(packages):
     packages("flashinfer", "triton")
     plan = plan_for(CUDA, torch.bfloat16)
-    assert plan.cuda_graphs and plan.cuda_graph_max_bs == 512
+    assert plan.cuda_graphs and plan.cuda_graph_max_bs == 256
+    # Unset, the bound is 256 rows at tp 1 and 512 at tp > 1 (still capped by the requests).
+    assert plan_for(CUDA, torch.bfloat16, max_running_requests=1024).cuda_graph_max_bs == 256
+    assert plan_for(CUDA, torch.bfloat16, tp_size=2, max_running_requests=1024).cuda_graph_max_bs == 512
+    assert plan_for(CUDA, torch.bfloat16, tp_size=2, max_running_requests=300).cuda_graph_max_bs == 300
     assert plan_for(CUDA, torch.bfloat16, cuda_graph_max_bs=64).cuda_graph_max_bs == 64
     # Capped by the running requests only: a larger bound asked for is captured.
     assert plan_for(CUDA, torch.bfloat16, max_running_requests=24).cuda_graph_max_bs == 24
@@ -249,14 +246,14 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
         "attention_backend": "flashinfer", "decode_backend": "triton", "decode_max_batch": 32,
         "fused_kernels": True, "skinny_gemm_max_rows": 16,
         "skinny_gemm_min_weight": SKINNY_MIN_WEIGHT,
-        "cuda_graphs": True, "cuda_graph_max_bs": 512, "sampling_kernel": True,
+        "cuda_graphs": True, "cuda_graph_max_bs": 256, "sampling_kernel": True,
         "sampling_kernel_min_rows": 32, "deterministic_inference": False,
         "sampling_per_filter_set": False, "logprob_kernel": True,
         "allreduce_fusion": False, "programmatic_launch": False, "extend_graph_max_tokens": 512,
     }  # fmt: skip
     assert str(plan) == (
         "attention flashinfer, decode triton up to batch 32, fused kernels on, skinny GEMM up to "
-        "16 rows, CUDA graphs up to batch 512 and extends up to 512 tokens, sampling kernel"
+        "16 rows, CUDA graphs up to batch 256 and extends up to 512 tokens, sampling kernel"
     )
 
 
@@ -595,17 +592,3 @@ def test_an_extend_graph_plans_the_batch_then_empty_slots_then_the_padding(monke
         backend.prepare_extend_graph(32, 4, None)
     backend.prepare(fb)  # an eager extend plans the eager wrapper and runs on it
     assert backend._extend is backend.extend_wrapper
-
-
-def test_the_skinny_gemm_spreads_the_small_weights_of_tp_ranks_over_every_sm(monkeypatch):
-    # Qwen2.5-7B at tp 2: a rank's q/k/v (2304 x 3584) and o (3584 x 1792) shards, under
-    # SKINNY_MIN_WEIGHT, launch one program an SM; its down shard (3584 x 9472), gate/up and
-    # the weights at tp 1 keep a program per tile of 32 features. Off a GPU: the tiles.
-    from rollout.models import layers
-
-    monkeypatch.setattr(layers, "_sm_count", lambda index: 132)
-    assert layers.skinny_programs(2304 * 3584, CUDA) == 132
-    assert layers.skinny_programs(3584 * 1792, CUDA) == 132
-    assert layers.skinny_programs(3584 * 9472, CUDA) is None
-    assert layers.skinny_programs(3584 * 18944, CUDA) is None
-    assert layers.skinny_programs(2304 * 3584, CPU) is None

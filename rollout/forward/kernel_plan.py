@@ -32,10 +32,12 @@ DECODE_AUTO = {"flashinfer": "triton"}
 # faster (Qwen2.5-7B's q/k/v and o projections; the skinny kernel wins on gate/up, down and the
 # LM head: benchmarks/bench_gemv.py, benchmarks/RESULTS.md).
 SKINNY_MIN_WEIGHT = 1 << 25
-# ... at tp > 1, where a rank's shards of q/k/v and o are a fraction of those and torch's GEMM
-# starts fewer programs than the GPU has SMs on them (Qwen2.5-7B at tp 2: 72 and 112 tiles of
-# 32): the skinny kernel spreads them over every SM (models/layers.py, skinny_programs).
-SKINNY_MIN_WEIGHT_TP = 1 << 22
+# Decode batches replayed from CUDA graphs by default. At tp > 1 an eager decode step of 257-512
+# rows is bound by the host, and Llama-3.1-8B's long rollouts gain from graphs to 512; at tp 1
+# the nano workload, whose batches never pass 256 rows, was slower with graphs to 512 than to
+# 256 (benchmarks/RESULTS.md, twenty-seventh and twenty-eighth sessions).
+GRAPH_MAX_BS = 256
+GRAPH_MAX_BS_TP = 512
 # With filters (top-k, top-p, min-p) the sampling kernel gives one program to one row, which
 # beats torch's ops only from a few dozen rows on (benchmarks/RESULTS.md); without
 # filters it draws each row in chunks and wins at any number of rows.
@@ -137,7 +139,7 @@ def resolve_kernel_plan(
         decode_max_batch=decode.max_batch,
         fused_kernels=fused,
         skinny_gemm_max_rows=kopts.skinny_gemm_max_rows if fused else 0,
-        skinny_gemm_min_weight=_skinny_min_weight(options),
+        skinny_gemm_min_weight=SKINNY_MIN_WEIGHT,
         cuda_graphs=graphs,
         cuda_graph_max_bs=max_bs if graphs else 0,
         sampling_kernel=fused,
@@ -147,11 +149,6 @@ def resolve_kernel_plan(
         programmatic_launch=fused and _pdl_supported(options, device),
         extend_graph_max_tokens=_extend_graph_max_tokens(options, extend, graphs),
     )
-
-
-def _skinny_min_weight(options: EngineOptions) -> int:
-    """The smallest weight the skinny GEMM takes: a tp rank's shards take it from a smaller."""
-    return SKINNY_MIN_WEIGHT if options.parallel.tp_size == 1 else SKINNY_MIN_WEIGHT_TP
 
 
 def _extend_graph_max_tokens(options: EngineOptions, extend: str, graphs: bool) -> int:
@@ -179,10 +176,13 @@ def gpu_capability(device: torch.device) -> tuple[int, int]:
 
 
 def _graph_max_bs(options: EngineOptions) -> int:
-    """cuda_graph_max_bs, capped by max_running_requests once it is known (the runner resolves
-    an unset one for its KV pool before it plans)."""
+    """cuda_graph_max_bs (unset: GRAPH_MAX_BS, or GRAPH_MAX_BS_TP at tp > 1), capped by
+    max_running_requests once it is known (the runner resolves an unset one for its KV pool
+    before it plans)."""
     running = options.scheduler.max_running_requests
     graphs = options.kernels.cuda_graph_max_bs
+    if graphs is None:
+        graphs = GRAPH_MAX_BS if options.parallel.tp_size == 1 else GRAPH_MAX_BS_TP
     return graphs if running is None else min(graphs, running)
 
 
@@ -233,7 +233,7 @@ def _deterministic_plan(options: EngineOptions, device: torch.device) -> KernelP
         decode_max_batch=None,
         fused_kernels=True,
         skinny_gemm_max_rows=0,
-        skinny_gemm_min_weight=_skinny_min_weight(options),
+        skinny_gemm_min_weight=SKINNY_MIN_WEIGHT,
         cuda_graphs=graphs,
         cuda_graph_max_bs=max_bs if graphs else 0,
         # The kernel's passes follow the batch's filters (a row without top-p runs the top-p

@@ -70,22 +70,6 @@ def use_fused_kernels(
 SKINNY_GEMM_TILES = {"block_n": 32, "block_k": 512, "num_warps": 4, "num_stages": 5}
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def skinny_programs(elements: int, device: torch.device) -> int | None:
-    """How the skinny GEMM launches over a weight of `elements` on `device`: None, a program per
-    tile of features; or, under SKINNY_MIN_WEIGHT (weights that take the kernel at tp > 1 only:
-    a rank's shards of q/k/v and o), one program an SM with the features split evenly over
-    them, where tiles of 32 would leave SMs idle or run a wave and a few (benchmarks/RESULTS.md,
-    twenty-seventh session)."""
-    if device.type != "cuda" or elements >= SKINNY_MIN_WEIGHT:
-        return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny_rows: int = 0,
     invariant: bool = False,
@@ -95,9 +79,7 @@ def linear(
     if invariant:
         return kernel("batch_invariant_gemm").batch_invariant_linear(x, weight, bias)
     if 0 < x.shape[0] <= skinny_rows:
-        return kernel("skinny_gemm").skinny_gemm(
-            x, weight, bias, programs=skinny_programs(weight.numel(), x.device), **SKINNY_GEMM_TILES
-        )
+        return kernel("skinny_gemm").skinny_gemm(x, weight, bias, **SKINNY_GEMM_TILES)
     return F.linear(x, weight, bias)
 
 
