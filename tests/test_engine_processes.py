@@ -154,6 +154,9 @@ def test_an_interrupted_generate_aborts_its_requests(tiny_qwen3, tmp_path):
         if __name__ == "__main__":
             engine = RolloutEngine({tiny_qwen3!r}, device="cpu")
             print(json.dumps([]), flush=True)
+            # Ctrl+C as in a terminal: a suite started in the background by a shell without
+            # job control hands its processes SIGINT ignored.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
             params = {{"max_new_tokens": 4000, "ignore_eos": True}}
             try:
