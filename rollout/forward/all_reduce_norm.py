@@ -6,7 +6,8 @@ residual and normalises: two launches, the first a collective whose cost at deco
 its latency. With a model's all-reduces deferred to its norms (DecoderModel.defer_all_reduces)
 the norm receives the unreduced partial sums and this does all three: in one FlashInfer kernel
 (TensorRT-LLM's all-reduce fusion, peers' buffers written directly over NVLink) for batches of
-up to FUSED_MAX_TOKENS rows, else the group's all-reduce followed by the norm's own kernel.
+up to `max_tokens` rows (FUSED_MAX_TOKENS unless given), else the group's all-reduce followed by
+the norm's own kernel.
 Without a workspace (a CPU, gloo, float32) it is always the latter: the same operations as
 before the deferral, in the same order.
 """
@@ -28,27 +29,41 @@ FUSED_MAX_TOKENS = 2048
 
 
 class AllReduceNorm:
-    def __init__(self, tp: TPGroup, workspace: object | None = None, pdl: bool = False) -> None:
-        """workspace: FlashInfer's all-reduce fusion workspace for this rank (None: unfused);
-        pdl: launch the fused kernel with programmatic dependent launch (rollout_kernels.pdl),
-        as the plan launches the Triton kernels around it."""
+    def __init__(
+        self,
+        tp: TPGroup,
+        workspace: object | None = None,
+        pdl: bool = False,
+        max_tokens: int = FUSED_MAX_TOKENS,
+    ) -> None:
+        """workspace: FlashInfer's all-reduce fusion workspace for this rank (None: unfused),
+        made for batches of up to `max_tokens` rows; pdl: launch the fused kernel with
+        programmatic dependent launch (rollout_kernels.pdl), as the plan launches the Triton
+        kernels around it."""
         self.tp = tp
         self.workspace = workspace
         self.pdl = pdl
+        self.max_tokens = max_tokens
 
     @classmethod
     def flashinfer(
-        cls, tp: TPGroup, hidden: int, dtype: torch.dtype, pdl: bool = False
+        cls,
+        tp: TPGroup,
+        hidden: int,
+        dtype: torch.dtype,
+        pdl: bool = False,
+        max_tokens: int = FUSED_MAX_TOKENS,
     ) -> AllReduceNorm:
-        """With FlashInfer's fused kernel: every rank of `tp` must call this together (the
-        ranks exchange their buffers' IPC handles), on its GPU, before any CUDA graph capture."""
+        """With FlashInfer's fused kernel for batches of up to `max_tokens` rows (its workspace
+        grows with them): every rank of `tp` must call this together (the ranks exchange their
+        buffers' IPC handles), on its GPU, before any CUDA graph capture."""
         from flashinfer.comm import create_allreduce_fusion_workspace
 
         workspace = create_allreduce_fusion_workspace(
-            backend="trtllm", world_size=tp.size, rank=tp.rank, max_token_num=FUSED_MAX_TOKENS,
+            backend="trtllm", world_size=tp.size, rank=tp.rank, max_token_num=max_tokens,
             hidden_dim=hidden, dtype=dtype, group=tp.group,
         )  # fmt: skip
-        return cls(tp, workspace, pdl)
+        return cls(tp, workspace, pdl, max_tokens)
 
     @property
     def fused(self) -> bool:
@@ -59,7 +74,7 @@ class AllReduceNorm:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this rank's partial sums [T, hidden]; residual: [T, hidden] -> (norm(sum + residual),
         sum + residual), as norm(x, residual) returns for a reduced x."""
-        if self.workspace is None or not 0 < x.shape[0] <= FUSED_MAX_TOKENS:
+        if self.workspace is None or not 0 < x.shape[0] <= self.max_tokens:
             return norm.add_norm(self.tp.all_reduce(x), residual)
         from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion
 
