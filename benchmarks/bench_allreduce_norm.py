@@ -22,7 +22,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 
@@ -30,11 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.bench_tp_forward import free_port  # noqa: E402
 
 
 def _median_ms(fn, iters: int) -> float:
@@ -63,26 +58,26 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
     dist.init_process_group("nccl", init_method=url, rank=rank, world_size=args.tp_size)
     tp = TPGroup.from_group()
     dtype = torch.bfloat16
-    _SYMM["rows"] = max(args.rows)
     fused = AllReduceNorm.flashinfer(tp, args.hidden, dtype, max_tokens=max(args.rows))
     apart = AllReduceNorm(tp)
     norm = RMSNorm(args.hidden, 1e-5).to("cuda", dtype)
     norm.fused = True  # the engine's Triton kernel
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
+    symm = _symm_buffer(max(args.rows), args.hidden, dtype) if args.symm_mem else None
     for rows in args.rows:
         gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
         x = torch.randn(rows, args.hidden, device="cuda", dtype=dtype, generator=gen)
         gen.manual_seed(7)  # the residual is the same on every rank
         residual = torch.randn(rows, args.hidden, device="cuda", dtype=dtype, generator=gen)
-        line = _time_rows(tp, fused, apart, norm, x, residual, args)
+        line = _time_rows(tp, fused, apart, norm, x, residual, args, symm)
         if rank == 0:
             results.put(line)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _time_rows(tp, fused, apart, norm, x, residual, args: argparse.Namespace) -> dict:
+def _time_rows(tp, fused, apart, norm, x, residual, args: argparse.Namespace, symm) -> dict:
     out_fused, _ = fused(x.clone(), residual, norm)
     out_apart, _ = apart(x.clone(), residual, norm)
     diff = (out_fused.float() - out_apart.float()).abs().max().item()
@@ -99,33 +94,40 @@ def _time_rows(tp, fused, apart, norm, x, residual, args: argparse.Namespace) ->
         "fused_ms": round(fused_ms, 4), "nccl_and_norm_ms": round(apart_ms, 4),
         "nccl_alone_ms": round(nccl_ms, 4), "max_diff": diff,
     }  # fmt: skip
-    if args.symm_mem:
-        line.update(_symm_mem(x, residual, norm, out_apart, args.iters))
+    if isinstance(symm, str):
+        line["symm_error"] = symm
+    elif symm is not None:
+        line.update(_symm_mem(symm[: x.shape[0]], x, residual, norm, out_apart, args.iters))
     return line
 
 
-_SYMM: dict = {}  # the symmetric buffer, made once for the largest row count
-
-
-def _symm_mem(x, residual, norm, expected, iters: int) -> dict:
-    """torch's two-shot all-reduce in symmetric memory, then the norm; every rank together."""
+def _symm_buffer(rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor | str:
+    """A [rows, hidden] buffer in symmetric memory, every rank together; where that fails,
+    why (the other paths' numbers still count)."""
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    group_name = dist.group.WORLD.group_name
     try:
-        if "buf" not in _SYMM:
-            _SYMM["buf"] = symm_mem.empty(
-                (_SYMM["rows"], x.shape[1]), dtype=x.dtype, device=x.device
-            )
-            symm_mem.rendezvous(_SYMM["buf"], group_name)
-        buf = _SYMM["buf"][: x.shape[0]]
+        buf = symm_mem.empty((rows, hidden), dtype=dtype, device="cuda")
+        symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return buf
 
-        def summed_norm():
-            buf.copy_(x)
-            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group_name)
-            return norm.add_norm(buf, residual)
 
+def _symm_mem(buf, x, residual, norm, expected, iters: int) -> dict:
+    """torch's two-shot all-reduce in symmetric memory (buf: x's rows of the buffer), then the
+    norm; every rank together."""
+    import torch.distributed as dist
+
+    group_name = dist.group.WORLD.group_name
+
+    def summed_norm():
+        buf.copy_(x)
+        torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group_name)
+        return norm.add_norm(buf, residual)
+
+    try:
         out, _ = summed_norm()
         diff = (out.float() - expected.float()).abs().max().item()
         both_ms = _median_ms(summed_norm, iters)
@@ -157,7 +159,7 @@ def main() -> None:
         )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, args, port, results)) for r in range(args.tp_size)]
     for proc in procs:
         proc.start()

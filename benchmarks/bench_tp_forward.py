@@ -46,7 +46,7 @@ PROFILED = 10  # steps --kernels profiles
 HOST_STEPS = 5  # steps host_ms is the median of
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -192,7 +192,7 @@ def main() -> None:
     if torch.cuda.device_count() < args.tp_size:
         parser.error(f"--tp-size {args.tp_size} needs as many GPUs, found {torch.cuda.device_count()}")
     path = write_config_checkpoint(args.model, tempfile.mkdtemp(prefix=f"rollout-{args.model}-"))
-    ctx, port = mp.get_context("spawn"), _free_port()
+    ctx, port = mp.get_context("spawn"), free_port()
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args, path, port, results)) for r in range(args.tp_size)]
     for p in procs:
