@@ -134,9 +134,10 @@ def run(args: argparse.Namespace, model_path: str, config) -> None:
     root = tempfile.mkdtemp(prefix="rollout-bench-lora-")
     ranks = [args.ranks[i % len(args.ranks)] for i in range(args.adapters)]
     paths = [f"a{i}={write_adapter(config, r, i, os.path.join(root, f'a{i}'))}" for i, r in enumerate(ranks)]
+    overlap = {} if args.lora_overlap_max_rows is None else {"lora_overlap_max_rows": args.lora_overlap_max_rows}
     engine = RolloutEngine(
         model_path, enable_lora=True, max_loras_per_batch=args.adapters + 1,
-        max_lora_rank=max(max(ranks), args.sync_rank), lora_paths=paths, **common,
+        max_lora_rank=max(max(ranks), args.sync_rank), lora_paths=paths, **common, **overlap,
     )
     try:
         names = [f"a{i % args.adapters}" for i in range(args.num_seqs)]
@@ -189,6 +190,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-total-tokens", type=int, default=65536)
     parser.add_argument("--disable-pdl", action="store_true", help="no programmatic dependent launch")
+    parser.add_argument(
+        "--lora-overlap-max-rows", type=int, default=None,
+        help="the LoRA engine's lora_overlap_max_rows (default: the engine's; 0: LoRA after the GEMMs)",
+    )  # fmt: skip
     args = parser.parse_args()
     model_path = args.model
     if model_path in REAL_CONFIGS:

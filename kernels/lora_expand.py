@@ -174,7 +174,8 @@ def lora_expand(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """y: [split_k, T, P x R] float32 (lora_shrink's result); b: [S, N, R] with its last dim
-    contiguous; out: [T, N] in b's dtype, last dim contiguous, added to in place and returned;
+    contiguous; out: [T, N] in b's dtype (or float32: the delta alone, unrounded), last dim
+    contiguous, added to in place and returned;
     ranks: [S] int32; scales: [S, P] float32; parts: the P column ranges of out (summing to N).
     Rows of base-only tokens are left as they are. Settings left None are expand_settings(T)'s
     (num_stages: Triton's default when both are None)."""

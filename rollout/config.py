@@ -90,6 +90,15 @@ class KernelOptions:
         "on the GPU backends, linear layers over at most this many tokens (small decode "
         "batches) run the skinny GEMM kernel of kernels/ instead of torch's GEMM; 0: never",
     )
+    # LoRA's kernels at a decode batch of up to ~128 rows are launches more than reads; beside
+    # the base GEMMs they mostly hide; at 256 rows they gain nothing (benchmarks/RESULTS.md,
+    # thirty-first session).
+    lora_overlap_max_rows: int = _opt(
+        128,
+        "with LoRA adapters on a GPU, forwards of at most this many tokens run each projection's "
+        "LoRA kernels on a second stream beside its base GEMM, and the delta of a projection "
+        "followed by a norm or SiLU-and-mul is added by that kernel; 0: never",
+    )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly instead of replaying CUDA graphs")
     disable_pdl: bool = _opt(
         False,
@@ -138,6 +147,10 @@ class KernelOptions:
             raise ValueError(
                 f"skinny_gemm_max_rows must be in 0..{SKINNY_GEMM_MAX_ROWS}, "
                 f"got {self.skinny_gemm_max_rows}"
+            )
+        if self.lora_overlap_max_rows < 0:
+            raise ValueError(
+                f"lora_overlap_max_rows must be >= 0, got {self.lora_overlap_max_rows}"
             )
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")

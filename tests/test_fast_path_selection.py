@@ -250,11 +250,24 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
         "sampling_kernel_min_rows": 32, "deterministic_inference": False,
         "sampling_per_filter_set": False, "logprob_kernel": True,
         "allreduce_fusion": False, "programmatic_launch": False, "extend_graph_max_tokens": 512,
+        "lora_overlap_max_rows": 0,
     }  # fmt: skip
     assert str(plan) == (
         "attention flashinfer, decode triton up to batch 32, fused kernels on, skinny GEMM up to "
         "16 rows, CUDA graphs up to batch 256 and extends up to 512 tokens, sampling kernel"
     )
+
+
+def test_lora_runs_beside_the_gemms_only_with_adapters_on_a_gpu(packages):
+    packages("flashinfer", "triton")
+    assert KernelOptions().lora_overlap_max_rows == 128
+    gpu = plan_for(CUDA, torch.bfloat16, enable_lora=True)
+    assert gpu.lora_overlap_max_rows == 128
+    assert str(gpu).endswith(", LoRA beside the GEMMs up to 128 rows")
+    assert plan_for(CUDA, torch.bfloat16, enable_lora=True, lora_overlap_max_rows=4).lora_overlap_max_rows == 4
+    assert plan_for(CUDA, torch.bfloat16, enable_lora=True, lora_overlap_max_rows=0).lora_overlap_max_rows == 0
+    assert plan_for(CUDA, torch.bfloat16).lora_overlap_max_rows == 0  # no adapters
+    assert plan_for(torch.device("cpu"), torch.float32, enable_lora=True).lora_overlap_max_rows == 0
 
 
 def test_allreduce_fusion_runs_where_gpu_ranks_can_and_is_refused_clearly_elsewhere(packages):
@@ -346,6 +359,8 @@ def test_options_validate_backend_and_graph_size():
     assert KernelOptions().skinny_gemm_max_rows == 16  # decode batches of up to 16 rows
     with pytest.raises(ValueError, match="skinny_gemm_max_rows must be in 0..16, got 17"):
         KernelOptions(skinny_gemm_max_rows=17)
+    with pytest.raises(ValueError, match="lora_overlap_max_rows must be >= 0, got -1"):
+        KernelOptions(lora_overlap_max_rows=-1)
     with pytest.raises(ValueError, match="triton_decode_max_batch must be >= 0, got -1"):
         KernelOptions(triton_decode_max_batch=-1)
     with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 1, got 0"):
@@ -357,7 +372,8 @@ def test_options_validate_backend_and_graph_size():
     routing = [f.name for f in dataclasses.fields(KernelOptions)]
     assert routing == [
         "attention_backend", "decode_attention_backend", "triton_decode_max_batch",
-        "skinny_gemm_max_rows", "disable_cuda_graph", "disable_pdl", "cuda_graph_max_bs",
+        "skinny_gemm_max_rows", "lora_overlap_max_rows", "disable_cuda_graph", "disable_pdl",
+        "cuda_graph_max_bs",
         "cuda_graph_max_extend_tokens", "enable_deterministic_inference",
         "enable_flashinfer_allreduce_fusion",
     ]  # fmt: skip

@@ -82,16 +82,35 @@ def test_lora_decode_from_cuda_graphs_equals_eager_decode(tiny_qwen3, adapters, 
         ) as engine:  # fmt: skip
             assert engine.get_server_info()["kernel_plan"]["cuda_graphs"] is graphs
             served[graphs] = _scenario(engine, adapters)
-    tol = 1e-4 if dtype == "float32" else 2e-2
-    for with_graphs, eager in zip(served[True], served[False]):
-        for (ids_g, lp_g), (ids_e, lp_e) in zip(with_graphs, eager, strict=True):
-            if dtype == "float32":
-                assert ids_g == ids_e
-            else:  # 16-bit rounding may flip a near-tie: compare up to the first difference
-                same = next((k for k, (x, y) in enumerate(zip(ids_g, ids_e)) if x != y), None)
-                ids_g, ids_e, lp_g, lp_e = (v[:same] for v in (ids_g, ids_e, lp_g, lp_e))
-                assert ids_g == ids_e
-            assert lp_g == pytest.approx(lp_e, abs=tol)
+    _assert_same_served(served[True], served[False], dtype, tol=1e-4 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.parametrize(("dtype", "backend"), [("float32", "auto"), ("bfloat16", "triton")])
+def test_lora_beside_the_gemms_serves_what_lora_after_them_serves(tiny_qwen3, adapters, dtype, backend):
+    """lora_overlap_max_rows: decode batches (in graphs) and short prefills run LoRA on a second
+    stream, the deltas of gate/up, o_proj and down_proj added by the kernels after them."""
+    served = {}
+    for rows in (128, 0):
+        with RolloutEngine(
+            tiny_qwen3, dtype=dtype, device="cuda", max_total_tokens=4096,
+            lora_paths=[f"a={adapters['a']}", f"b={adapters['b']}"], max_lora_rank=16,
+            max_loras_per_batch=3, cuda_graph_max_bs=32, attention_backend=backend,
+            lora_overlap_max_rows=rows,
+        ) as engine:  # fmt: skip
+            assert engine.get_server_info()["kernel_plan"]["lora_overlap_max_rows"] == rows
+            served[rows] = _scenario(engine, adapters)
+    # float32: a GPU may round the delta's multiply-add once where the other path rounds twice
+    _assert_same_served(served[128], served[0], dtype, tol=1e-4 if dtype == "float32" else 2e-2)
+
+
+def _assert_same_served(got: list, want: list, dtype: str, tol: float) -> None:
+    for run_got, run_want in zip(got, want, strict=True):
+        for (ids_g, lp_g), (ids_w, lp_w) in zip(run_got, run_want, strict=True):
+            if dtype != "float32":  # 16-bit rounding may flip a near-tie: up to the first difference
+                same = next((k for k, (x, y) in enumerate(zip(ids_g, ids_w)) if x != y), None)
+                ids_g, ids_w, lp_g, lp_w = (v[:same] for v in (ids_g, ids_w, lp_g, lp_w))
+            assert ids_g == ids_w
+            assert lp_g == pytest.approx(lp_w, abs=tol)
 
 
 def test_adapters_change_what_the_graphs_serve(tiny_qwen3, adapters):

@@ -78,6 +78,44 @@ def prefill_then_decode(model, slots, setup: Setup, adapters, rows) -> list[torc
     return [torch.cat([p, d]) for p, d in zip(prefill, decode)]
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_lora_beside_the_gemms_gives_the_logits_of_lora_after_them(setup, fused, monkeypatch):
+    """The kernels' path with LoRA run beside the GEMMs (AdapterSlots.run_beside): gate/up's,
+    o_proj's and down_proj's deltas are added by the SiLU-and-mul and norms after them (the
+    fused kernels, or the torch path), every other layer's after its GEMM: the same logits as
+    every layer adding its own, and each left delta taken."""
+    pytest.importorskip("triton")
+    from rollout.models.layers import RMSNorm, SiluAndMulMLP
+    from rollout.models.lora_layer import LoraLayer
+
+    model, slots = serve(setup, use_kernels=True)
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SiluAndMulMLP)):
+            module.fused = fused
+    layers = model.model.layers
+    for i, layer in enumerate(layers):  # linked where the next kernel reads the output
+        mlp, norm = layer.mlp, layer.post_attention_layernorm
+        assert mlp.gate_up_proj.lora.defers and mlp.down_proj.lora.defers
+        assert norm.lora_delta is layer.self_attn.o_proj.lora and norm.lora_delta.defers
+        before = layers[i - 1].mlp.down_proj.lora if i else None
+        assert layer.input_layernorm.lora_delta is before
+        assert not layer.self_attn.qkv_proj.lora.defers
+    assert model.model.norm.lora_delta is layers[-1].mlp.down_proj.lora
+    want = prefill_then_decode(model, slots, setup, BATCH, range(4))
+    taken = []
+    take = LoraLayer.take_delta
+    monkeypatch.setattr(LoraLayer, "take_delta", lambda self: taken.append(take(self)) or taken[-1])
+    slots.run_beside(64)  # the prefill (29 rows) and the decode (4) both
+    got = prefill_then_decode(model, slots, setup, BATCH, range(4))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    # per forward: each layer's gate/up, o_proj and down_proj deltas
+    assert sum(t is not None for t in taken) == 2 * 3 * len(layers)
+    assert all(layer._owed is None for layer in slots.layers.values())
+    slots.detach(model)
+    assert all(getattr(m, "lora_delta", None) is None for m in model.modules())
+
+
 def max_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().max().item()
 

@@ -136,6 +136,8 @@ class ModelRunner:
         )
         if plan.fused_kernels or self.device.type == "cuda":  # LoRA's kernels run on any plan
             kernel("pdl").set_enabled(plan.programmatic_launch)
+        if self.lora is not None:  # before any graph captures the layers
+            self.lora.slots.run_beside(plan.lora_overlap_max_rows)
         if plan.allreduce_fusion:  # every rank together, before the graphs capture the kernel
             all_reduce = AllReduceNorm.flashinfer(
                 self.tp, self.hf_config.hidden_size, self.dtype, plan.programmatic_launch

@@ -76,6 +76,9 @@ class KernelPlan:
     # Extends of up to this many new tokens replayed from CUDA graphs (engine/
     # extend_graph_runner.py); 0: every extend runs eagerly.
     extend_graph_max_tokens: int = 0
+    # With adapters on a GPU: forwards of up to this many rows run LoRA's kernels beside the
+    # base GEMMs (models/lora_layer.py, LoraLayer.around); 0: after them.
+    lora_overlap_max_rows: int = 0
 
     @property
     def decode_attention(self) -> DecodeChoice:
@@ -104,6 +107,11 @@ class KernelPlan:
             + (", deterministic inference" if self.deterministic_inference else "")
             + (", all-reduce fused with the norms" if self.allreduce_fusion else "")
             + (", programmatic dependent launch" if self.programmatic_launch else "")
+            + (
+                f", LoRA beside the GEMMs up to {self.lora_overlap_max_rows} rows"
+                if self.lora_overlap_max_rows
+                else ""
+            )
         )
 
 
@@ -148,6 +156,11 @@ def resolve_kernel_plan(
         allreduce_fusion=_allreduce_fusion(options, device, dtype),
         programmatic_launch=fused and _pdl_supported(options, device),
         extend_graph_max_tokens=_extend_graph_max_tokens(options, extend, graphs),
+        lora_overlap_max_rows=(
+            kopts.lora_overlap_max_rows
+            if options.lora.enable_lora and device.type == "cuda"
+            else 0
+        ),
     )
 
 

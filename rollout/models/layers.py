@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from torch import nn
 from rollout.forward.all_reduce_norm import AllReduceNorm
 from rollout.forward.kernel_plan import SKINNY_MIN_WEIGHT
 from rollout.forward.tensor_parallel import SINGLE, TPGroup, make_shard
+
+if TYPE_CHECKING:
+    from rollout.models.lora_layer import LoraLayer
 
 # Rope types whose frequencies are fixed at init. "dynamic" is exact up to the original
 # context length; beyond it HF rescales by the batch's longest sequence, which depends on
@@ -104,19 +107,31 @@ class Linear(FusedOps, nn.Linear):
     `lora`, when an engine serves adapters, is the layer's adapter slots (models/lora.py):
     each row's adapter delta is added to the output."""
 
-    lora = None
+    lora: LoraLayer | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias, self.skinny_rows, self.batch_invariant)
-        return out if self.lora is None else self.lora.apply(x, out)
+        if self.lora is None:
+            return self.base(x)
+        return self.lora.around(x, functools.partial(self.base, x))
+
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection without any adapter delta."""
+        return linear(x, self.weight, self.own_bias(), self.skinny_rows, self.batch_invariant)
+
+    def own_bias(self) -> torch.Tensor | None:
+        """The bias this layer adds (a row-parallel layer's rank 0 alone adds it)."""
+        return self.bias
 
 
 class RMSNorm(FusedOps, nn.Module):
     """`all_reduce`, when set (DecoderModel.defer_all_reduces), makes this the norm after a
     row-parallel projection that no longer sums its output: x is then this rank's partial sum,
-    summed over the group here, with the residual add (forward/all_reduce_norm.py)."""
+    summed over the group here, with the residual add (forward/all_reduce_norm.py).
+    `lora_delta`, when set (AdapterSlots), is the LoRA layer of the projection that writes x:
+    the delta it leaves (LoraLayer.take_delta) is added to x here."""
 
     all_reduce: AllReduceNorm | None = None
+    lora_delta: LoraLayer | None = None
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -131,14 +146,21 @@ class RMSNorm(FusedOps, nn.Module):
         if self.all_reduce is not None:
             assert residual is not None, "a deferred all-reduce is summed with the residual"
             return self.all_reduce(x, residual, self)
-        return self.add_norm(x, residual)
+        delta = None if self.lora_delta is None else self.lora_delta.take_delta()
+        return self.add_norm(x, residual, delta)
 
     def add_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        delta: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """forward's norm of x (reduced), with the residual added first when given."""
+        """forward's norm of x (reduced), with the residual added first when given, and a
+        float32 `delta` added to x before that (rounded to x's dtype)."""
         if self.fused:
-            return kernel("rmsnorm").rms_norm(x, self.weight, self.eps, residual)
+            return kernel("rmsnorm").rms_norm(x, self.weight, self.eps, residual, delta)
+        if delta is not None:
+            x = (x.float() + delta).to(x.dtype)
         if residual is not None:
             x = x + residual
             residual = x
@@ -250,17 +272,19 @@ class RowParallelLinear(Linear):
     reduce = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in / size] -> [T, out], the same on every rank
-        if self.tp.size == 1:
-            return super().forward(x)
-        bias = self.bias if self.tp.rank == 0 else None
-        out = linear(x, self.weight, bias, self.skinny_rows, self.batch_invariant)
-        if self.lora is not None:  # this rank's partial delta, summed with the base partials
-            self.lora.apply(x, out)
-        return self.tp.all_reduce(out) if self.reduce else out
+        # x: [T, in / size] -> [T, out], the same on every rank. With adapters, this rank's
+        # partial delta is added to its partial sums before they are summed.
+        out = super().forward(x)
+        return self.tp.all_reduce(out) if self.tp.size > 1 and self.reduce else out
+
+    def own_bias(self) -> torch.Tensor | None:
+        return self.bias if self.tp.rank == 0 else None
 
 
 class SiluAndMulMLP(FusedOps, nn.Module):
+    """gate/up, SiLU-and-mul, down. gate/up's LoRA delta, when its layer leaves it
+    (LoraLayer.defers, set by AdapterSlots), is added as SiLU-and-mul reads the output."""
+
     def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         start, stop = tp.even_range(intermediate, "intermediate_size")
@@ -276,7 +300,11 @@ class SiluAndMulMLP(FusedOps, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)
+        lora = self.gate_up_proj.lora
+        delta = None if lora is None else lora.take_delta()
         if self.fused:
-            return self.down_proj(kernel("silu_and_mul").silu_and_mul(gate_up))
+            return self.down_proj(kernel("silu_and_mul").silu_and_mul(gate_up, delta))
+        if delta is not None:
+            gate_up = (gate_up.float() + delta).to(gate_up.dtype)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

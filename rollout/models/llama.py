@@ -159,6 +159,26 @@ class DecoderModel(nn.Module):
                 layer.input_layernorm.all_reduce = all_reduce
         self.norm.all_reduce = all_reduce
 
+    def lora_delta_consumers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(projection, the module its output goes to first) for each projection whose LoRA
+        delta that module can add as it reads the output (LoraLayer.defers): gate/up's to
+        SiLU-and-mul, and at tp 1 o_proj's and down_proj's to the norm after them (a partial
+        sum's delta must be added before the all-reduce)."""
+        pairs: list[tuple[nn.Module, nn.Module]] = []
+        before = None  # the down_proj whose output the next norm reads
+        for layer in self.layers:
+            mlp, attn = layer.mlp, layer.self_attn
+            pairs.append((mlp.gate_up_proj, mlp))
+            if attn.o_proj.tp.size > 1:
+                continue
+            if before is not None:
+                pairs.append((before, layer.input_layernorm))
+            pairs.append((attn.o_proj, layer.post_attention_layernorm))
+            before = mlp.down_proj
+        if before is not None:
+            pairs.append((before, self.norm))
+        return pairs
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
@@ -209,6 +229,9 @@ class LlamaForCausalLM(FusedOps, nn.Module):
         norm, [T, hidden] (the same on every rank). Stores every layer's K/V of these tokens
         (this rank's KV heads) at `fb.out_cache_loc`."""
         return self.model(input_ids, positions, fb)
+
+    def lora_delta_consumers(self) -> list[tuple[nn.Module, nn.Module]]:
+        return self.model.lora_delta_consumers()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32, the whole vocabulary on every rank."""

@@ -16,6 +16,11 @@ all-reduce:
         self.lora.apply(x, out)  # x: this layer's input (this rank's slice when row-parallel)
     return out                   # RowParallelLinear: self.tp.all_reduce(out)
 
+A projection whose output goes straight to a kernel that can add a delta as it reads it (the
+model's `lora_delta_consumers`: SiLU-and-mul after gate/up, the norm after o_proj and down_proj)
+is linked to it: with the batch running LoRA beside the GEMMs (`run_beside`), its delta is
+added there instead of by a launch of its own (LoraLayer.around).
+
 Writing a slot is not atomic with respect to a forward: the engine loads, replaces and unloads
 adapters between steps, never while a batch that uses the slot is running.
 """
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rollout.models.layers import MergedLinear, RowParallelLinear, kernel
+from rollout.models.layers import MergedLinear, RMSNorm, RowParallelLinear, kernel
 from rollout.models.lora_adapter import (
     LORA_MODULES,
     AdapterError,
@@ -100,6 +105,12 @@ class AdapterSlots:
             raise ValueError(f"{taken[0]} already has LoRA slots: detach them first")
         for name, module in model.named_modules():
             self._attach(name, module)
+        consumers = getattr(model, "lora_delta_consumers", None)
+        for projection, consumer in [] if consumers is None else consumers():
+            if projection.lora is not None:
+                projection.lora.defers = True
+                if isinstance(consumer, RMSNorm):  # SiluAndMulMLP reads its gate_up_proj's
+                    consumer.lora_delta = projection.lora
 
     def _attach(self, name: str, module: nn.Module) -> None:
         parent = name.rpartition(".")[0]
@@ -304,10 +315,19 @@ class AdapterSlots:
                 layer.apply(x, layer.b.new_zeros(rows, layer.b.shape[1]))
         self.batch.prepare(torch.zeros(0, dtype=torch.int32), active=False)
 
+    def run_beside(self, max_rows: int) -> None:
+        """Forwards of up to `max_rows` rows run each layer's LoRA kernels beside its base
+        GEMM, and the linked projections' deltas are added by the kernels after them
+        (LoraLayer.around); 0: never. Only on the kernels' path."""
+        self.batch.run_beside(max_rows)
+
     def detach(self, model: nn.Module) -> None:
         """Takes the slots off `model`'s layers: it computes the base model only again."""
         for name in self.layers:
             model.get_submodule(name).lora = None
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.lora_delta = None
 
     def _clear(self, slot: int) -> None:
         for layer in self.layers.values():

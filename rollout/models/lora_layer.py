@@ -6,6 +6,15 @@ a projection group (the fused QKV, gate/up) or a single projection (o_proj, down
 (base only) are left alone. Everything a forward reads lives in buffers allocated once, so a
 CUDA graph captured with LoRA replays any later mix of adapters.
 
+Beside the base GEMM: for a batch of up to `LoraBatch.beside_rows` rows on the kernels' path
+(small decode batches, where LoRA's launches cost more than their reads), `around` runs the
+layer's shrink on a second CUDA stream while the base GEMM runs, the step's stream waiting for
+it only after the GEMM: a decode step's LoRA launches then mostly hide behind the GEMMs. A layer
+whose output goes straight to a kernel that can add a delta as it reads it (`defers`: the norm
+after o_proj and down_proj, SiLU-and-mul after gate/up, linked by AdapterSlots) runs its expand
+there too, into a float32 delta that the kernel after it takes (`take_delta`) and adds, rounding
+the sum once to the output's dtype as the expand into the output does.
+
 Tensor parallelism: a column-parallel layer (QKV, gate/up) keeps A whole and this rank's rows
 of B, and its delta is this rank's columns of the output. A row-parallel layer (o_proj,
 down_proj) keeps this rank's input columns of A and B whole; its delta from this rank's slice
@@ -15,7 +24,8 @@ base output's partials (x @ A^T is linear in the input slices).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -53,6 +63,16 @@ class LoraBatch:
         self.slots = self._slots[:0]  # [T]: this forward's rows
         self.segments = None  # this forward's LoraSegments (kernel path)
         self.active = False  # False: no row of this forward uses an adapter; layers skip
+        self.beside_rows = 0  # forwards of at most this many rows run LoRA beside the GEMMs
+        self.side_stream: torch.cuda.Stream | None = None
+
+    def run_beside(self, max_rows: int) -> None:
+        """Forwards of 1..max_rows rows on the kernels' path run each layer's LoRA kernels
+        beside its base GEMM (LoraLayer.around), on a second stream where the device has
+        streams; 0: never (every layer adds its delta after its GEMM)."""
+        self.beside_rows = max_rows if self.use_kernels else 0
+        if self.beside_rows and self.device.type == "cuda" and self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(self.device)
 
     @property
     def max_tokens(self) -> int:
@@ -135,6 +155,9 @@ class LoraLayer:
         bounds = [0] + [first + size for first, size in self.part_rows]
         self.part_offsets = torch.tensor(bounds, dtype=torch.int32, device=device)  # [P + 1]
         self._parts = None  # the kernels' OutputParts, made on first use
+        # A kernel after this layer adds its delta (take_delta) when it runs beside the GEMM.
+        self.defers = False
+        self._owed: torch.Tensor | None = None  # the delta of the last forward, not yet taken
 
     @property
     def nbytes(self) -> int:
@@ -173,6 +196,41 @@ class LoraLayer:
         self.b[slot].zero_()
         self.scales[slot].zero_()
 
+    def around(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The layer's output with every row's adapter delta: `base()` computes it without
+        them (the base GEMM, before any all-reduce) from x [T, in] (this rank's slice of the
+        input for a row-parallel layer). For a batch of up to `beside_rows` rows the shrink
+        runs beside base() (module docstring), and a layer that `defers` leaves its delta to
+        the kernel after it: the output is then returned without it, and `take_delta` gives
+        it. Otherwise `apply` after base()."""
+        batch = self.batch
+        self._owed = None
+        if not (batch.active and batch.use_kernels and 0 < x.shape[0] <= batch.beside_rows):
+            return self.apply(x, base())
+        self._check_rows(x)
+        side = batch.side_stream if x.is_cuda else None
+        main = None if side is None else torch.cuda.current_stream(x.device)
+        if side is not None:
+            side.wait_stream(main)
+        with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
+            y = self._shrink(x)
+            if self.defers:
+                delta = x.new_zeros((x.shape[0], self.b.shape[1]), dtype=torch.float32)
+                self._expand(y, delta)
+        out = base()
+        if side is not None:
+            main.wait_stream(side)
+        if self.defers:
+            self._owed = delta
+            return out
+        return self._expand(y, out)
+
+    def take_delta(self) -> torch.Tensor | None:
+        """The float32 delta [T, out] the last `around` left for the kernel after the layer to
+        add (None: it added its delta itself, or there was none); given once."""
+        owed, self._owed = self._owed, None
+        return owed
+
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """x: [T, in] the layer's input (this rank's slice of it for a row-parallel layer);
         out: [T, out] its output before any all-reduce. Adds every row's adapter delta to out
@@ -180,14 +238,17 @@ class LoraLayer:
         batch = self.batch
         if not batch.active:
             return out
-        if x.shape[0] != batch.slots.shape[0]:
+        self._check_rows(x)
+        if batch.use_kernels:
+            return self._expand(self._shrink(x), out)
+        return self._apply_torch(x, out)
+
+    def _check_rows(self, x: torch.Tensor) -> None:
+        if x.shape[0] != self.batch.slots.shape[0]:
             raise ValueError(
-                f"LoRA batch prepared for {batch.slots.shape[0]} rows, the layer got "
+                f"LoRA batch prepared for {self.batch.slots.shape[0]} rows, the layer got "
                 f"{x.shape[0]}: call prepare() with this forward's token slots first"
             )
-        if batch.use_kernels:
-            return self._apply_kernels(x, out)
-        return self._apply_torch(x, out)
 
     def _apply_torch(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # Each live slot over all rows, masked: no host sync and no data-dependent shapes,
@@ -204,12 +265,20 @@ class LoraLayer:
                 out[:, first : first + size] += delta
         return out
 
-    def _apply_kernels(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _shrink(self, x: torch.Tensor) -> torch.Tensor:
         s, p, r, k = self.a.shape
+        batch = self.batch
+        return kernel("lora_shrink").lora_shrink(
+            x, self.a.view(s, p * r, k), batch.segments, batch.ranks, r
+        )
+
+    def _expand(self, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Adds the deltas from the shrink's y to out (the layer's output, or a float32 delta)."""
         expand = kernel("lora_expand")
         if self._parts is None:
             sizes = tuple(size for _, size in self.part_rows)
             self._parts = expand.OutputParts(sizes, self.part_offsets)
-        segments, ranks = self.batch.segments, self.batch.ranks
-        y = kernel("lora_shrink").lora_shrink(x, self.a.view(s, p * r, k), segments, ranks, r)
-        return expand.lora_expand(y, self.b, out, segments, ranks, self.scales, self._parts)
+        batch = self.batch
+        return expand.lora_expand(
+            y, self.b, out, batch.segments, batch.ranks, self.scales, self._parts
+        )

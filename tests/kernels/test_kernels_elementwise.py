@@ -61,6 +61,35 @@ def test_rms_norm_reads_heads_of_a_qkv_view(device, dtype):
     assert got.shape == (t, heads, dim) and got.is_contiguous()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_adds_a_float32_delta_to_x_first(device, dtype):
+    """The norm after a projection whose LoRA delta ran beside it: x + delta, rounded to x's
+    dtype, is what the norm reads (and what the new residual sums)."""
+    gen = torch.Generator().manual_seed(4)
+    dim = 48
+    layer = RMSNorm(dim, eps=1e-6)
+    layer.weight.data = torch.randn(dim, generator=gen) * 0.5 + 1
+    layer = layer.to(device, dtype)
+    x = (torch.randn(6, dim, generator=gen) * 3).to(device, dtype)
+    residual = torch.randn(6, dim, generator=gen).to(device, dtype)
+    delta = (torch.randn(6, dim, generator=gen) * 2).to(device)
+    summed = (x.float() + delta).to(dtype)
+    with torch.no_grad():
+        want_out, want_res = layer(summed, residual)
+        # the torch path with a delta is the same
+        torch.testing.assert_close(layer.add_norm(x, residual, delta)[1], want_res)
+    out, new_res = rms_norm(x, layer.weight, 1e-6, residual=residual, delta=delta)
+    torch.testing.assert_close(out, want_out, **_tol(dtype))
+    torch.testing.assert_close(new_res, want_res, **_tol(dtype))
+    torch.testing.assert_close(rms_norm(x, layer.weight, 1e-6, delta=delta), layer(summed), **_tol(dtype))
+    without = rms_norm(x, layer.weight, 1e-6, residual=residual)[1]
+    assert (new_res - without).abs().max() > 0.5  # the delta was added
+    with pytest.raises(ValueError, match="rms_norm needs delta float32"):
+        rms_norm(x, layer.weight, 1e-6, residual=residual, delta=delta.to(dtype=torch.float16))
+    with pytest.raises(ValueError, match="rms_norm needs delta float32"):
+        rms_norm(x, layer.weight, 1e-6, residual=residual, delta=delta[:5])
+
+
 def test_rms_norm_rejects_wrong_weight(device):
     with pytest.raises(ValueError, match=r"weight of shape \(8,\)"):
         rms_norm(torch.zeros(2, 8, device=device), torch.ones(4, device=device), 1e-6)
@@ -162,6 +191,24 @@ def test_silu_and_mul_matches_mlp_activation(device, dtype, width):
     x = (torch.randn(3, 4, 2 * width, generator=gen) * 4).to(device, dtype)
     gate, up = x.split(width, dim=-1)
     torch.testing.assert_close(silu_and_mul(x), F.silu(gate) * up, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_adds_a_float32_delta_to_gate_and_up_first(device, dtype):
+    gen = torch.Generator().manual_seed(5)
+    width = 40
+    x = (torch.randn(3, 2 * width, generator=gen) * 4).to(device, dtype)
+    delta = (torch.randn(3, 2 * width, generator=gen) * 2).to(device)
+    gate, up = (x.float() + delta).to(dtype).split(width, dim=-1)
+    got = silu_and_mul(x, delta)
+    # bf16: two steps, the sums and the product each rounded (by truncation on the interpreter)
+    tol = _tol(dtype) if dtype == torch.float32 else {"rtol": 3.2e-2, "atol": 1e-2}
+    torch.testing.assert_close(got, F.silu(gate) * up, **tol)
+    assert (got.float() - silu_and_mul(x).float()).abs().max() > 0.5  # the delta was added
+    with pytest.raises(ValueError, match="silu_and_mul needs delta float32"):
+        silu_and_mul(x, delta[:, :-2])
+    with pytest.raises(ValueError, match="silu_and_mul needs delta float32"):
+        silu_and_mul(x, delta.to(torch.float16))
 
 
 def test_silu_and_mul_rejects_odd_width(device):

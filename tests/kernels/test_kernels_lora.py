@@ -278,6 +278,50 @@ def test_the_layers_kernel_path_matches_its_torch_path(device, dtype, rows):
     assert torch.equal(fast.apply(x, out.clone()), out)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_layer_beside_its_gemm_adds_what_it_adds_after_it(device, dtype):
+    """LoraLayer.around for a batch of up to beside_rows rows (on a second stream on a GPU):
+    a layer that adds its delta itself gives apply's output; one that defers returns the base
+    output and leaves a float32 delta that, added and rounded, gives the same; past
+    beside_rows, or with no adapter row, nothing is left."""
+    sizes = {"gate_proj": 40, "up_proj": 40}
+    fast, _ = lora_layers(sizes, K, dtype, device)
+    rows = 6
+    slots = mixed_slots(rows, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(rows, K, generator=gen).to(device, dtype)
+    base = torch.randn(rows, 80, generator=gen).to(device, dtype)
+    fast.batch.prepare(slots.to(device))
+    want = fast.apply(x, base.clone())
+    fast.batch.run_beside(rows)
+    assert (fast.batch.side_stream is not None) == (device == "cuda")
+    exact = device == "cpu"  # a GPU may fuse the expand's multiply and add (one rounding)
+
+    def same(got: torch.Tensor) -> None:
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, **tol(dtype))
+
+    same(fast.around(x, base.clone))
+    assert fast.take_delta() is None
+    fast.defers = True
+    got = fast.around(x, base.clone)
+    assert torch.equal(got, base)  # the base output, its delta left for the next kernel
+    delta = fast.take_delta()
+    assert delta.dtype == torch.float32 and delta.shape == (rows, 80)
+    same((got.float() + delta).to(dtype))
+    assert fast.take_delta() is None  # given once
+    base_rows = slots.lt(0) | slots.ge(3)  # base-only rows, and the empty slot's: no delta
+    assert torch.equal(delta[base_rows.to(device)], torch.zeros_like(delta[base_rows.to(device)]))
+    fast.batch.run_beside(rows - 1)  # past the bound: added after the GEMM, nothing left
+    same(fast.around(x, base.clone))
+    assert fast.take_delta() is None
+    fast.batch.run_beside(rows)
+    fast.batch.prepare(slots.to(device), active=False)
+    assert torch.equal(fast.around(x, base.clone), base) and fast.take_delta() is None
+
+
 def test_kernel_inputs_are_checked(device):
     x = torch.zeros(4, K, device=device)
     a, b = random_weights(1, 8, torch.float32, device)
