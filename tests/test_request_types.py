@@ -150,3 +150,22 @@ def test_outputs_extend_into_one():
     assert entries["input_token_logprobs"] == [(None, 9, "<9>"), (-0.5, 8, "<8>")]
     assert entries["input_top_logprobs"] == [None, [(-0.5, 8, "<8>")]]
     assert first.logprobs.entries()["output_top_logprobs"] == [[(-1.0, 1, None)], [(-2.0, 2, None)]]
+
+
+def test_logprob_entries_made_in_parts_are_the_entries_made_at_once():
+    """What the tokenizer manager makes between turns of its event loop (entries_in_parts):
+    parts of about `part` entries, the same columns in the end."""
+    columns = LogprobColumns()
+    columns.add_prompt(
+        [(None, 1)] + [(-0.1 * i, i) for i in range(1, 300)],
+        [None] + [[(-0.2 * j, j) for j in range(5)] for _ in range(299)],
+        [None] * 300,
+    )
+    for i in range(200):
+        columns.add_token((-0.3, i), [(-0.4, j) for j in range(5)], [(-0.5, 7)] if i % 2 else None)
+    text_of = lambda tid: f"<{tid}>"  # noqa: E731
+    parts = list(columns.entries_in_parts(text_of, part=64))
+    assert parts[-1] == columns.entries(text_of) and all(p is None for p in parts[:-1])
+    total = 200 * 3 + 200 * 5 + 100 + 300 + 299 * 6 + 300  # entries and per-position lists
+    assert total // 64 - 8 <= len(parts) - 1 <= total // 64 + 8  # every ~64 entries
+    assert list(columns.entries_in_parts(text_of)) == [columns.entries(text_of)]

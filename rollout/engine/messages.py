@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -189,21 +189,40 @@ class LogprobColumns:
     def entries(self, text_of: Callable[[int], str] | None = None) -> dict[str, list]:
         """The columns as the caller gets them: each entry (logprob, id, text), text None
         unless `text_of` gives it."""
+        *_, out = self.entries_in_parts(text_of)
+        return out
+
+    def entries_in_parts(
+        self, text_of: Callable[[int], str] | None = None, part: int | None = None
+    ) -> Iterator[dict[str, list] | None]:
+        """`entries`, made about `part` entries at a time (None: all at once): yields None after
+        each part, where a caller on an event loop can let it run, and the columns last."""
+        part = part or 1 << 62
 
         def one(entry: tuple | None) -> tuple | None:
             if entry is None:
                 return None
             return (entry[0], entry[1], None if text_of is None else text_of(entry[1]))
 
-        def many(entries: list | None) -> list | None:
-            return None if entries is None else [one(e) for e in entries]
-
-        out = {}
+        out, made = {}, 0
         for f in fields(self):
-            column = getattr(self, f.name)
-            per_position = f.name.endswith("_token_logprobs")
-            out[f.name] = [one(e) for e in column] if per_position else [many(e) for e in column]
-        return out
+            column, converted = getattr(self, f.name), []
+            if f.name.endswith("_token_logprobs"):  # one entry a position
+                for start in range(0, len(column), min(part, len(column) or 1)):
+                    converted.extend([one(e) for e in column[start : start + part]])
+                    made += min(part, len(column) - start)
+                    if made >= part:
+                        made = 0
+                        yield None
+            else:  # a list of entries (or None) a position
+                for entries in column:
+                    converted.append(None if entries is None else [one(e) for e in entries])
+                    made += 1 + (len(entries) if entries else 0)
+                    if made >= part:
+                        made = 0
+                        yield None
+            out[f.name] = converted
+        yield out
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from rollout.engine.messages import ReqOutput, TokenizedRequest
@@ -21,11 +22,36 @@ class TokenText:
         return text
 
 
-def build_output(
+# Logprob entries made between two turns of the event loop: a few ms of Python. A request's
+# hundreds of thousands of entries (top_logprobs_num over a long prompt) made at once held the
+# loop for 0.3 s on two CPU cores (tests/test_event_loop_latency.py).
+LOOP_PART_ENTRIES = 16_384
+
+
+async def build_output_on_loop(
     total: ReqOutput, req: TokenizedRequest, latency: float, text_of: TokenText | None = None
 ) -> dict[str, Any]:
+    """`build_output`, for a caller on the event loop: the logprob entries are made in parts
+    of LOOP_PART_ENTRIES, the loop running between them."""
+    logprobs = None
+    if req.return_logprob and total.logprobs is not None:
+        texts = text_of if req.return_text_in_logprobs else None
+        for logprobs in total.logprobs.entries_in_parts(texts, LOOP_PART_ENTRIES):
+            if logprobs is None:
+                await asyncio.sleep(0)
+    return build_output(total, req, latency, text_of, logprobs)
+
+
+def build_output(
+    total: ReqOutput,
+    req: TokenizedRequest,
+    latency: float,
+    text_of: TokenText | None = None,
+    logprobs: dict[str, list] | None = None,
+) -> dict[str, Any]:
     """`total`: every output of `req` so far, extended into one. `text_of` fills in the text
-    of each logprob entry (return_text_in_logprobs)."""
+    of each logprob entry (return_text_in_logprobs); `logprobs`, when given, are the entries
+    already made from total.logprobs."""
     changes = total.weight_version_changes or ()
     meta: dict[str, Any] = {
         "id": total.rid,
@@ -52,7 +78,9 @@ def build_output(
         # Not silent: the request asked for more tokens than the context leaves after the prompt.
         meta["max_new_tokens_capped"] = req.max_new_tokens_capped
     if req.return_logprob and total.logprobs is not None:
-        meta.update(total.logprobs.entries(text_of if req.return_text_in_logprobs else None))
+        if logprobs is None:
+            logprobs = total.logprobs.entries(text_of if req.return_text_in_logprobs else None)
+        meta.update(logprobs)
     if req.return_hidden_states:
         meta["hidden_states"] = list(total.hidden_states or ())
     return {"text": total.text, "output_ids": list(total.new_ids), "meta_info": meta}

@@ -31,7 +31,7 @@ from rollout.engine.messages import (
     is_control,
     public_error,
 )
-from rollout.engine.output_builder import TokenText, build_output
+from rollout.engine.output_builder import TokenText, build_output_on_loop
 from rollout.engine.processes import Addresses
 from rollout.engine.request_validation import validate_for_model
 from rollout.engine.sampling_params import check_logit_bias
@@ -147,7 +147,8 @@ class TokenizerManager:
                     total.extend(item)
                 finished = item.finish_reason is not None
                 if finished or inp.stream:
-                    yield build_output(total, treq, time.monotonic() - state.created, self.text_of)
+                    latency = time.monotonic() - state.created
+                    yield await build_output_on_loop(total, treq, latency, self.text_of)
         finally:
             self.states.pop(rid, None)
             if treq.session_params is not None:
