@@ -179,7 +179,14 @@ def test_loading_over_a_name_replaces_that_adapter_in_its_slot(setup):
 @pytest.mark.parametrize("size", [2, 4])  # at 4 ranks each KV head is on two ranks
 def test_tensor_parallel_ranks_hold_their_slices_and_sum_to_the_whole_delta(setup, size):
     _, whole = serve(setup)
-    ranks = [serve(setup, tp=TPGroup(r, size))[1] for r in range(size)]
+    served = [serve(setup, tp=TPGroup(r, size)) for r in range(size)]
+    ranks = [slots for _, slots in served]
+    for model, _ in served:  # a partial sum's delta is added before its all-reduce: only
+        for layer in model.model.layers:  # gate/up's may be left to the kernel after it
+            assert layer.mlp.gate_up_proj.lora.defers
+            assert not layer.self_attn.o_proj.lora.defers and not layer.mlp.down_proj.lora.defers
+            assert layer.post_attention_layernorm.lora_delta is None
+            assert layer.input_layernorm.lora_delta is None
     gen = torch.Generator().manual_seed(1)
     batch = [-1, 0, 1, 2, 1, -1, 2]  # slots of "a", "b", "c" in load order
     for slots in [whole, *ranks]:
