@@ -11,10 +11,11 @@ How a layer applies it (the wiring in rollout.models.layers): a Linear has an at
 `lora` (None until AdapterSlots sets it), and adds the delta to its output before any
 all-reduce:
 
-    out = linear(x, self.weight, bias, self.skinny_rows)
-    if self.lora is not None:
-        self.lora.apply(x, out)  # x: this layer's input (this rank's slice when row-parallel)
-    return out                   # RowParallelLinear: self.tp.all_reduce(out)
+    if self.lora is None:
+        return self.base(x)      # the GEMM (RowParallelLinear: then self.tp.all_reduce)
+    # x: this layer's input (this rank's slice when row-parallel); the delta is added to
+    # base(x)'s output, after it or beside it (LoraLayer.around)
+    return self.lora.around(x, functools.partial(self.base, x))
 
 A projection whose output goes straight to a kernel that can add a delta as it reads it (the
 model's `lora_delta_consumers`: SiLU-and-mul after gate/up, the norm after o_proj and down_proj)
