@@ -208,9 +208,10 @@ class LogprobColumns:
         for f in fields(self):
             column, converted = getattr(self, f.name), []
             if f.name.endswith("_token_logprobs"):  # one entry a position
-                for start in range(0, len(column), min(part, len(column) or 1)):
-                    converted.extend([one(e) for e in column[start : start + part]])
-                    made += min(part, len(column) - start)
+                for start in range(0, len(column), part):
+                    chunk = column[start : start + part]
+                    converted.extend([one(e) for e in chunk])
+                    made += len(chunk)
                     if made >= part:
                         made = 0
                         yield None

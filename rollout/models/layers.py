@@ -282,8 +282,10 @@ class RowParallelLinear(Linear):
 
 
 class SiluAndMulMLP(FusedOps, nn.Module):
-    """gate/up, SiLU-and-mul, down. gate/up's LoRA delta, when its layer leaves it
-    (LoraLayer.defers, set by AdapterSlots), is added as SiLU-and-mul reads the output."""
+    """gate/up, SiLU-and-mul, down. `lora_delta`, when set (AdapterSlots), is gate/up's LoRA
+    layer: the delta it leaves (LoraLayer.take_delta) is added as SiLU-and-mul reads the output."""
+
+    lora_delta: LoraLayer | None = None
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -300,8 +302,7 @@ class SiluAndMulMLP(FusedOps, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)
-        lora = self.gate_up_proj.lora
-        delta = None if lora is None else lora.take_delta()
+        delta = None if self.lora_delta is None else self.lora_delta.take_delta()
         if self.fused:
             return self.down_proj(kernel("silu_and_mul").silu_and_mul(gate_up, delta))
         if delta is not None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rollout.models.layers import MergedLinear, RMSNorm, RowParallelLinear, kernel
+from rollout.models.layers import MergedLinear, RMSNorm, RowParallelLinear, SiluAndMulMLP, kernel
 from rollout.models.lora_adapter import (
     LORA_MODULES,
     AdapterError,
@@ -110,8 +110,7 @@ class AdapterSlots:
         for projection, consumer in [] if consumers is None else consumers():
             if projection.lora is not None:
                 projection.lora.defers = True
-                if isinstance(consumer, RMSNorm):  # SiluAndMulMLP reads its gate_up_proj's
-                    consumer.lora_delta = projection.lora
+                consumer.lora_delta = projection.lora
 
     def _attach(self, name: str, module: nn.Module) -> None:
         parent = name.rpartition(".")[0]
@@ -327,7 +326,7 @@ class AdapterSlots:
         for name in self.layers:
             model.get_submodule(name).lora = None
         for module in model.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, SiluAndMulMLP)):
                 module.lora_delta = None
 
     def _clear(self, slot: int) -> None:
