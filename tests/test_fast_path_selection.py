@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from rollout.config import SKINNY_GEMM_MAX_ROWS, EngineOptions, KernelOptions, option_fields
+from rollout.config import EngineOptions, KernelOptions, option_fields
 from rollout.engine.cuda_graph_runner import GraphInputs, graph_batch_sizes, padded_size
 from rollout.engine.extend_graph_runner import extend_bucket, extend_token_buckets
 from rollout.forward import attention
@@ -26,6 +26,7 @@ from rollout.forward.attention.flashinfer_backend import (
 )
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout.forward.kernel_plan import SKINNY_MIN_WEIGHT, KernelPlan, resolve_kernel_plan
+from rollout.kernel_options import SKINNY_GEMM_MAX_ROWS
 from rollout.real_configs import REAL_CONFIGS
 
 CUDA = torch.device("cuda", 0)
