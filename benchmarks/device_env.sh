@@ -32,7 +32,10 @@ if missing:
 PY
 )
 [ -n "$MISSING" ] && echo "$MISSING" | tee -a "$OUT/log"
-if [ ! -f /tmp/jit-restored ]; then
+# Restored again when the carried caches change (a warm machine keeps the first call's flag): a
+# call that brings caches built on another machine would otherwise compile everything anew.
+JIT_STAMP=$(cat .jit/*.tgz 2>/dev/null | md5sum | cut -c1-32)
+if [ "$(cat /tmp/jit-restored 2>/dev/null)" != "$JIT_STAMP" ]; then
   if [ -f .jit/flashinfer-jit.tgz ]; then
     tar -xzf .jit/flashinfer-jit.tgz -C "$FLASHINFER_WORKSPACE_BASE" && echo "restored FlashInfer JIT cache"
     # A module built from the package's own sources (the all-reduce fusion's trtllm_comm) is
@@ -47,7 +50,7 @@ if [ ! -f /tmp/jit-restored ]; then
   if [ -f .jit/triton-cache.tgz ]; then
     tar -xzf .jit/triton-cache.tgz -C "$TRITON_CACHE_DIR" && echo "restored Triton cache"
   fi
-  touch /tmp/jit-restored
+  echo "$JIT_STAMP" > /tmp/jit-restored
 fi
 save_jit_cache() {
   tar -czf "$OUT/flashinfer-jit.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache 2>/dev/null && ls -la "$OUT/flashinfer-jit.tgz"
