@@ -1,9 +1,8 @@
 """A replica that is a `rollout serve` worker, reached over HTTP (the `rollout router`'s).
 
-Generation goes through one kept aiohttp connection pool (a request is one POST /generate, a
-stream its server-sent events): aiohttp's client costs a fraction of httpx's per request, which
-is most of what the router adds to a request's latency. Control calls, rare and slow, go
-through RolloutClient's methods on a thread.
+A /generate answered whole goes over the replica's own kept connections (worker_connections.py:
+the least a request can cost the router), a stream's server-sent events through one kept aiohttp
+connection pool. Control calls, rare and slow, go through RolloutClient's methods on a thread.
 The router cannot start a worker itself: when one dies, its supervisor (systemd, Kubernetes,
 a shell loop) starts it again, and the pool takes it back, with the current weights, once its
 /health answers.
@@ -26,6 +25,7 @@ from rollout.engine.tokenizer_manager import RequestFailedError
 from rollout.errors import EXCEPTIONS, HTTP, Forbidden, ServerUnreachable
 from rollout.generate_request import GenerateRequest
 from rollout.pool.replica import Replica, ReplicaDead
+from rollout.pool.worker_connections import WorkerConnections, WorkerGone
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class HttpReplica(Replica):
         self.start_timeout_s = start_timeout_s
         self.generate_url = f"{self.url}/generate"
         self._http: aiohttp.ClientSession | None = None
+        # A /generate answered whole goes over kept connections of its own (worker_connections.py).
+        http = self.url.startswith("http://")
+        self.connections = WorkerConnections(self.url, self.headers) if http else None
 
     async def start(self) -> dict:
         deadline = time.monotonic() + self.start_timeout_s
@@ -110,12 +113,15 @@ class HttpReplica(Replica):
     async def relay(self, body: bytes) -> bytes:
         """The worker's JSON answer to a /generate body (stream false), as it is."""
         try:
-            async with self._post_generate(body) as resp:
-                answer = await resp.read()
-        except _UNREACHABLE as e:
+            if self.connections is not None:
+                status, answer = await self.connections.post("/generate", body)
+            else:
+                async with self._post_generate(body) as resp:
+                    status, answer = resp.status, await resp.read()
+        except (*_UNREACHABLE, WorkerGone) as e:
             raise ReplicaDead(f"{self.name} is unreachable: {e!r}") from None
-        if resp.status != 200:
-            raise self._error(resp.status, _message(answer))
+        if status != 200:
+            raise self._error(status, _message(answer))
         return answer
 
     async def relay_stream(self, body: bytes) -> AsyncIterator[bytes]:
@@ -185,6 +191,8 @@ class HttpReplica(Replica):
         http, self._http = self._http, None
         if http is not None:
             await http.close()
+        if self.connections is not None:
+            self.connections.close()
         self.client.close()
 
     def _error(self, status: int, message: str) -> Exception:
