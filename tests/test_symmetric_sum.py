@@ -158,7 +158,9 @@ def test_the_symmetric_sum_takes_its_rows_first_then_the_fused_kernel_then_nccl(
     alone = AllReduceNorm(SINGLE, symmetric=paths.symmetric(100, 300))
     for rows in (99, 100, 301):
         alone(torch.randn(rows, HIDDEN), torch.randn(rows, HIDDEN), norm)
-    assert paths.taken == [("nccl", 99), ("symm", 100), ("nccl", 301)]
+    half = torch.randn(100, HIDDEN, dtype=torch.bfloat16)  # not the buffer's dtype
+    alone(half, half.clone(), norm)
+    assert paths.taken == [("nccl", 99), ("symm", 100), ("nccl", 301), ("nccl", 100)]
     # Only the rows it sums are written in the buffer, and only in its dtype.
     assert alone.out_for(99, torch.float32) is None and alone.out_for(301, torch.float32) is None
     assert alone.out_for(100, torch.bfloat16) is None

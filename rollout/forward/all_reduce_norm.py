@@ -109,7 +109,7 @@ class AllReduceNorm:
         sum + residual), as norm(x, residual) returns for a reduced x. Both are new tensors:
         neither aliases x, nor the symmetric buffer that the next projection writes into."""
         rows = x.shape[0]
-        if self.symmetric is not None and self.symmetric.takes(rows):
+        if self.symmetric is not None and self.symmetric.takes(rows, x.dtype):
             return norm.add_norm(self.symmetric.sum(x), residual)
         if self.workspace is None or not 0 < rows <= self.max_tokens:
             return norm.add_norm(self.tp.all_reduce(x), residual)

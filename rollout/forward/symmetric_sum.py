@@ -68,19 +68,17 @@ class SymmetricSum:
     def max_rows(self) -> int:
         return self.buffer.shape[0]
 
-    def takes(self, rows: int) -> bool:
-        """Whether a forward of `rows` rows is summed here."""
-        return self.min_rows <= rows <= self.max_rows
+    def takes(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether partial sums of `rows` rows in `dtype` (the model's) are summed here."""
+        return self.min_rows <= rows <= self.max_rows and dtype == self.buffer.dtype
 
     def out_for(self, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Where a projection should write its partial sums of `rows` rows: the buffer's first
         rows when they are summed here, else None (it writes a tensor of its own)."""
-        if not self.takes(rows) or dtype != self.buffer.dtype:
-            return None
-        return self.buffer[:rows]
+        return self.buffer[:rows] if self.takes(rows, dtype) else None
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """x: this rank's partial sums [T, hidden] (T taken here) -> the group's sum, in the
+        """x: this rank's partial sums [T, hidden] (taken here) -> the group's sum, in the
         buffer's first T rows. x is copied there first unless it already is that view."""
         view = self.buffer[: x.shape[0]]
         if x.data_ptr() != view.data_ptr() or x.shape != view.shape:
