@@ -205,6 +205,9 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
     add("--max-running-requests", type=int, help="default: the engine's (from its KV pool size)")
     add("--enable-flashinfer-allreduce-fusion", action="store_true")
+    add("--symm-mem-allreduce-min-rows", type=int, default=kernels.symm_mem_allreduce_min_rows,
+        help="tp > 1: steps of at least this many tokens sum o_proj/down_proj in symmetric "
+             "memory (0: never)")  # fmt: skip
     args = parser.parse_args()
     resolve_lengths(parser, args)
     if args.poll_ms is not None and args.poll_ms <= 0:
@@ -232,6 +235,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "triton_decode_max_batch": args.triton_decode_max_batch,
         "tp_size": args.tp_size,
         "enable_flashinfer_allreduce_fusion": args.enable_flashinfer_allreduce_fusion,
+        "symm_mem_allreduce_min_rows": args.symm_mem_allreduce_min_rows,
     }
     if args.max_total_tokens:
         options["max_total_tokens"] = args.max_total_tokens

@@ -89,6 +89,15 @@ class KernelOptions:
         "over NVLink) for batches of up to FUSED_MAX_TOKENS (forward/all_reduce_norm.py), "
         "instead of an NCCL all-reduce and a norm kernel; nothing to fuse at tp_size 1",
     )
+    # Not yet measured inside the engine: off until a GPU session times it against NCCL.
+    symm_mem_allreduce_min_rows: int = _opt(
+        0,
+        "with tensor parallelism on GPUs, forwards of at least this many tokens (up to the "
+        "longest a step can have) sum o_proj's and down_proj's partial outputs with torch's "
+        "two-shot all-reduce over symmetric memory, each projection writing its output "
+        "straight into the symmetric buffer, instead of NCCL's all-reduce "
+        "(forward/symmetric_sum.py); 0: never",
+    )
 
     def __post_init__(self) -> None:
         for name in ("attention_backend", "decode_attention_backend"):
@@ -109,6 +118,10 @@ class KernelOptions:
         if self.lora_overlap_max_rows < 0:
             raise ValueError(
                 f"lora_overlap_max_rows must be >= 0, got {self.lora_overlap_max_rows}"
+            )
+        if self.symm_mem_allreduce_min_rows < 0:
+            raise ValueError(
+                f"symm_mem_allreduce_min_rows must be >= 0, got {self.symm_mem_allreduce_min_rows}"
             )
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")

@@ -250,8 +250,9 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
         "cuda_graphs": True, "cuda_graph_max_bs": 256, "sampling_kernel": True,
         "sampling_kernel_min_rows": 32, "deterministic_inference": False,
         "sampling_per_filter_set": False, "logprob_kernel": True,
-        "allreduce_fusion": False, "programmatic_launch": False, "extend_graph_max_tokens": 512,
-        "lora_overlap_max_rows": 0,
+        "allreduce_fusion": False, "symm_mem_allreduce_min_rows": 0,
+        "symm_mem_allreduce_max_rows": 0, "programmatic_launch": False,
+        "extend_graph_max_tokens": 512, "lora_overlap_max_rows": 0,
     }  # fmt: skip
     assert str(plan) == (
         "attention flashinfer, decode triton up to batch 32, fused kernels on, skinny GEMM up to "
@@ -290,6 +291,36 @@ def test_allreduce_fusion_runs_where_gpu_ranks_can_and_is_refused_clearly_elsewh
     packages("triton")
     with pytest.raises(ValueError, match="pip install flashinfer-python"):
         plan_for(CUDA, torch.bfloat16, tp_size=2, attention_backend="triton", **fusion)
+
+
+def test_symmetric_memory_sums_only_gpu_ranks_forwards_within_the_longest_step(packages):
+    packages("flashinfer", "triton")
+    assert KernelOptions().symm_mem_allreduce_min_rows == 0  # off until measured
+    assert plan_for(CUDA, torch.bfloat16, tp_size=2).symm_mem_allreduce_min_rows == 0
+    symm = {"symm_mem_allreduce_min_rows": 4096}
+    plan = plan_for(CUDA, torch.bfloat16, tp_size=2, **symm)
+    # The buffer holds the longest extend: chunked_prefill_size 8192 under max_prefill_tokens.
+    assert (plan.symm_mem_allreduce_min_rows, plan.symm_mem_allreduce_max_rows) == (4096, 8192)
+    assert str(plan).endswith(", symmetric-memory all-reduce from 4096 to 8192 rows")
+    fusion = {"enable_flashinfer_allreduce_fusion": True}
+    both = plan_for(CUDA, torch.bfloat16, tp_size=2, **fusion, **symm)
+    assert both.allreduce_fusion and both.symm_mem_allreduce_min_rows == 4096
+    shorter = plan_for(CUDA, torch.bfloat16, tp_size=2, max_prefill_tokens=6000, **symm)
+    assert shorter.symm_mem_allreduce_max_rows == 6000
+    # ... or a decode of every running request, where that has more rows.
+    running = plan_for(CUDA, torch.bfloat16, tp_size=2, chunked_prefill_size=256,
+                       max_running_requests=1024, symm_mem_allreduce_min_rows=128)  # fmt: skip
+    assert running.symm_mem_allreduce_max_rows == 1024
+    zeroed = [
+        plan_for(CUDA, torch.bfloat16, **symm),  # tp 1: nothing to sum
+        plan_for(CPU, torch.float32, tp_size=2, **symm),
+        plan_for(CUDA, torch.float32, tp_size=2, tp_backend="gloo", **symm),
+        plan_for(CUDA, torch.bfloat16, tp_size=2, chunked_prefill_size=2048, **symm),  # no step
+        plan_for(CUDA, torch.bfloat16, enable_deterministic_inference=True, **symm),
+    ]
+    for plan in zeroed:
+        assert (plan.symm_mem_allreduce_min_rows, plan.symm_mem_allreduce_max_rows) == (0, 0)
+        assert "symmetric" not in str(plan)
 
 
 class _Recorder(attention.AttentionBackend):
@@ -362,6 +393,8 @@ def test_options_validate_backend_and_graph_size():
         KernelOptions(skinny_gemm_max_rows=17)
     with pytest.raises(ValueError, match="lora_overlap_max_rows must be >= 0, got -1"):
         KernelOptions(lora_overlap_max_rows=-1)
+    with pytest.raises(ValueError, match="symm_mem_allreduce_min_rows must be >= 0, got -1"):
+        EngineOptions.from_kwargs(model_path="m", symm_mem_allreduce_min_rows=-1)
     with pytest.raises(ValueError, match="triton_decode_max_batch must be >= 0, got -1"):
         KernelOptions(triton_decode_max_batch=-1)
     with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 1, got 0"):
@@ -376,7 +409,7 @@ def test_options_validate_backend_and_graph_size():
         "skinny_gemm_max_rows", "lora_overlap_max_rows", "disable_cuda_graph", "disable_pdl",
         "cuda_graph_max_bs",
         "cuda_graph_max_extend_tokens", "enable_deterministic_inference",
-        "enable_flashinfer_allreduce_fusion",
+        "enable_flashinfer_allreduce_fusion", "symm_mem_allreduce_min_rows",
     ]  # fmt: skip
     assert set(routing) <= set(flat) and len(flat) == len(set(flat))
     with pytest.raises(ValueError, match="attention_backend must be one of"):

@@ -24,7 +24,11 @@ GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
-def _generate(path: str, tp: int, backend: str, **extra) -> tuple[list[dict], list[dict]]:
+def _generate(
+    path: str, tp: int, backend: str, plan: dict | None = None, **extra
+) -> tuple[list[dict], list[dict]]:
+    """(greedy outputs with logprobs, seeded sampled outputs) of six prompts; `plan`, when
+    given, is filled with the engine's kernel plan."""
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(3, 90))] for _ in range(6)]
     # Ranks sharing a GPU share its memory too: a KV pool of a fixed size for each.
@@ -39,6 +43,8 @@ def _generate(path: str, tp: int, backend: str, **extra) -> tuple[list[dict], li
         options.update(tp_size=tp, tp_backend="gloo", gpu_ids=[0] * tp)
     options.update(extra)
     with RolloutEngine(path, **options) as engine:
+        if plan is not None:
+            plan.update(engine.get_server_info()["kernel_plan"])
         greedy = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
         sampled = engine.generate(
             input_ids=prompts,
@@ -71,6 +77,20 @@ def test_two_gpus_over_nccl_generate_what_one_gpu_does(fixture, backend, graphs,
         path, 2, backend, tp_size=2, tp_backend="nccl", gpu_ids=None, **graph_options
     )  # fmt: skip
     _assert_same(one, two)
+
+
+@two_gpus
+@pytest.mark.parametrize("min_rows", [1, 64], ids=["every-step", "prefills"])
+def test_sums_in_symmetric_memory_generate_what_nccl_sums_do(tiny_qwen3, min_rows):
+    """symm_mem_allreduce_min_rows: at 64 rows the prefills (up to ~540 rows) are summed with
+    torch's two-shot all-reduce, o_proj and down_proj writing into the symmetric buffer, and
+    the decodes over NCCL; at 1 every step, the decode CUDA graphs capturing the sum."""
+    nccl = {"tp_size": 2, "tp_backend": "nccl", "gpu_ids": None, "disable_cuda_graph": False}
+    plain = _generate(tiny_qwen3, 2, "auto", **nccl)
+    plan: dict = {}
+    symm = _generate(tiny_qwen3, 2, "auto", plan, symm_mem_allreduce_min_rows=min_rows, **nccl)
+    assert plan["symm_mem_allreduce_min_rows"] == min_rows and plan["cuda_graphs"]
+    _assert_same(plain, symm)
 
 
 def _assert_same(one: tuple[list[dict], list[dict]], two: tuple[list[dict], list[dict]]) -> None:

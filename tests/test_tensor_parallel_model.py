@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tp_worker import run_rank
+from tp_worker import run_case, run_rank
 from transformers import AutoConfig
 
 import rollout.models.loader as loader
@@ -23,12 +23,13 @@ TOL = 1e-5
 SPAWN_TIMEOUT_S = 300
 
 
-def spawn_ranks(world: int, cases: dict, tmp_path) -> list[dict]:
-    """Runs tp_worker.run_rank on `world` spawned ranks; their results, by rank. Fails (and
-    kills the ranks) past SPAWN_TIMEOUT_S instead of hanging."""
+def spawn_ranks(world: int, cases: dict, tmp_path, run=run_case) -> list[dict]:
+    """Runs tp_worker.run_rank on `world` spawned ranks, `run` on each case (tp_worker.run_case
+    unless another worker module's); their results, by rank. Fails (and kills the ranks) past
+    SPAWN_TIMEOUT_S instead of hanging."""
     ctx = mp.start_processes(
         run_rank,
-        args=(world, str(tmp_path / "init"), str(tmp_path), cases),
+        args=(world, str(tmp_path / "init"), str(tmp_path), cases, run),
         nprocs=world,
         join=False,
         start_method="spawn",

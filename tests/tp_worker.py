@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from forward_helpers import forward_batch
 
 from rollout.forward.all_reduce_norm import AllReduceNorm
-from rollout.forward.forward_batch import ForwardMode
+from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout.forward.kv_pool import KVPool, ReqToTokenPool
 from rollout.forward.tensor_parallel import SINGLE, TPGroup
 from rollout.models.loader import load_model
@@ -49,26 +50,33 @@ class Cache:
 
 
 def step(
-    model, cache: Cache, seqs: list[list[int]], cached: list[int], mode, backend=None
-) -> torch.Tensor:
-    """Logits of seqs[i][cached[i]:] on top of KV holding seqs[i][:cached[i]]."""
+    model, cache: Cache, seqs: list[list[int]], cached: list[int], mode, backend=None,
+    prepare: Callable[[ForwardBatch], None] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Logits of seqs[i][cached[i]:] on top of KV holding seqs[i][:cached[i]]; `prepare(fb)`
+    runs before the forward (LoRA's adapter rows)."""
     fb = forward_batch(cache.kv, cache.table, seqs, cached, mode, backend, cache.device)
+    if prepare is not None:
+        prepare(fb)
     with torch.no_grad():
         return model.compute_logits(model(fb.input_ids, fb.positions, fb))
 
 
-def prefill_and_decode(model, vocab: int, device: str = "cpu", backend=None) -> torch.Tensor:
+def prefill_and_decode(
+    model, vocab: int, device: str = "cpu", backend=None,
+    prepare: Callable[[ForwardBatch], None] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Logits of a ragged prefill then DECODE_STEPS decode steps, stacked: [rows, vocab]."""
     gen = torch.Generator().manual_seed(0)
     lens = [n + DECODE_STEPS for n in PROMPT_LENS]
     full = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
     cache = Cache(model, len(full), device)
     prompts = [s[:n] for s, n in zip(full, PROMPT_LENS)]
-    out = [step(model, cache, prompts, [0] * len(full), ForwardMode.EXTEND, backend)]
+    out = [step(model, cache, prompts, [0] * len(full), ForwardMode.EXTEND, backend, prepare)]
     for i in range(1, DECODE_STEPS + 1):
         seqs = [s[: n + i] for s, n in zip(full, PROMPT_LENS)]
         cached = [len(s) - 1 for s in seqs]
-        out.append(step(model, cache, seqs, cached, ForwardMode.DECODE, backend))
+        out.append(step(model, cache, seqs, cached, ForwardMode.DECODE, backend, prepare))
     return torch.cat(out)
 
 
@@ -119,8 +127,12 @@ def run_case(case: dict[str, Any], tp: TPGroup) -> dict[str, Any]:
     return result
 
 
-def run_rank(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -> None:
-    """Entry point of one spawned rank (torch.multiprocessing passes `rank` first)."""
+def run_rank(
+    rank: int, world: int, init_file: str, out_dir: str, cases: dict,
+    run: Callable[[dict[str, Any], TPGroup], dict[str, Any]] = run_case,
+) -> None:  # fmt: skip
+    """Entry point of one spawned rank (torch.multiprocessing passes `rank` first): `run` of
+    each case (a function of an importable module: it travels to the rank by name)."""
     torch.set_num_threads(1)  # the ranks share a few cores
     dist.init_process_group(
         "gloo",
@@ -131,7 +143,7 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str, cases: dict) -
     )
     try:
         tp = TPGroup.from_group()
-        results = {name: run_case(case, tp) for name, case in cases.items()}
+        results = {name: run(case, tp) for name, case in cases.items()}
         # No rank tears its connections down while another may still be reading from them.
         dist.barrier()
         # Written before the teardown: gloo's teardown has aborted a rank (SIGABRT, "terminate

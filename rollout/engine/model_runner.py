@@ -138,10 +138,10 @@ class ModelRunner:
             kernel("pdl").set_enabled(plan.programmatic_launch)
         if self.lora is not None:  # before any graph captures the layers
             self.lora.slots.run_beside(plan.lora_overlap_max_rows)
-        if plan.allreduce_fusion:  # every rank together, before the graphs capture the kernel
-            all_reduce = AllReduceNorm.flashinfer(
-                self.tp, self.hf_config.hidden_size, self.dtype, plan.programmatic_launch
-            )
+        # Every rank together, before the graphs capture the sums.
+        hidden = self.hf_config.hidden_size
+        all_reduce = AllReduceNorm.for_plan(plan, self.tp, hidden, self.dtype, self.device)
+        if all_reduce is not None:
             self.model.model.defer_all_reduces(all_reduce)
         self.graph_runner: CudaGraphRunner | None = None
         self.extend_graphs: ExtendGraphRunner | None = None

@@ -70,6 +70,11 @@ class KernelPlan:
     # Tensor parallelism: each row-parallel projection's all-reduce fused with the residual add
     # and the norm after it (enable_flashinfer_allreduce_fusion; forward/all_reduce_norm.py).
     allreduce_fusion: bool = False
+    # Tensor parallelism: forwards of min_rows..max_rows rows sum each row-parallel projection
+    # over the ranks with torch's two-shot all-reduce, the projection writing into a symmetric
+    # buffer of max_rows rows (symm_mem_allreduce_min_rows; forward/symmetric_sum.py); 0: never.
+    symm_mem_allreduce_min_rows: int = 0
+    symm_mem_allreduce_max_rows: int = 0
     # The Triton kernels launched with programmatic dependent launch (rollout_kernels.pdl):
     # on a GPU of compute capability 9.0 or later unless disable_pdl.
     programmatic_launch: bool = False
@@ -106,6 +111,12 @@ class KernelPlan:
             f"{fused}, skinny GEMM {skinny}, CUDA graphs {graphs}, sampling {sampling}"
             + (", deterministic inference" if self.deterministic_inference else "")
             + (", all-reduce fused with the norms" if self.allreduce_fusion else "")
+            + (
+                f", symmetric-memory all-reduce from {self.symm_mem_allreduce_min_rows} to "
+                f"{self.symm_mem_allreduce_max_rows} rows"
+                if self.symm_mem_allreduce_min_rows
+                else ""
+            )
             + (", programmatic dependent launch" if self.programmatic_launch else "")
             + (
                 f", LoRA beside the GEMMs up to {self.lora_overlap_max_rows} rows"
@@ -141,6 +152,7 @@ def resolve_kernel_plan(
         and attention.supports_cuda_graph(extend, decode)
     )
     max_bs = _graph_max_bs(options)
+    symm_rows = _symm_mem_rows(options, device)
     return KernelPlan(
         attention_backend=extend,
         decode_backend=decode.backend,
@@ -154,6 +166,8 @@ def resolve_kernel_plan(
         sampling_kernel_min_rows=SAMPLING_KERNEL_MIN_ROWS,
         logprob_kernel=fused and device.type == "cuda",
         allreduce_fusion=_allreduce_fusion(options, device, dtype),
+        symm_mem_allreduce_min_rows=symm_rows[0],
+        symm_mem_allreduce_max_rows=symm_rows[1],
         programmatic_launch=fused and _pdl_supported(options, device),
         extend_graph_max_tokens=_extend_graph_max_tokens(options, extend, graphs),
         lora_overlap_max_rows=(
@@ -213,6 +227,20 @@ def _allreduce_fusion(options: EngineOptions, device: torch.device, dtype: torch
     if not attention.package_imports("flashinfer"):
         raise ValueError(f"{name} runs FlashInfer's kernel: pip install flashinfer-python")
     return True
+
+
+def _symm_mem_rows(options: EngineOptions, device: torch.device) -> tuple[int, int]:
+    """The plan's symm_mem_allreduce_min_rows and _max_rows: the option's rows up to the most
+    one forward has (an extend's token budget, or a decode of every running request), on GPU
+    ranks over NCCL; zero where there is no sum (tp_size 1), no GPU, or no forward that long."""
+    min_rows = options.kernels.symm_mem_allreduce_min_rows
+    parallel, sched = options.parallel, options.scheduler
+    extend = min(sched.chunked_prefill_size, sched.max_prefill_tokens)
+    max_rows = max(extend, sched.max_running_requests or 0)
+    gpu_ranks = device.type == "cuda" and parallel.tp_backend != "gloo"
+    if not min_rows or parallel.tp_size == 1 or not gpu_ranks or min_rows > max_rows:
+        return 0, 0
+    return min_rows, max_rows
 
 
 def _deterministic_plan(options: EngineOptions, device: torch.device) -> KernelPlan:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -75,14 +76,19 @@ SKINNY_GEMM_TILES = {"block_n": 32, "block_k": 512, "num_warps": 4, "num_stages"
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, skinny_rows: int = 0,
-    invariant: bool = False,
-) -> torch.Tensor:
+    invariant: bool = False, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """x: [T, in] -> [T, out], through the skinny GEMM kernel when 0 < T <= skinny_rows, through
-    the batch-invariant one with `invariant`."""
+    the batch-invariant one with `invariant`. Torch's GEMM writes into `out` ([T, out],
+    contiguous) when given; the two kernels return tensors of their own."""
     if invariant:
         return kernel("batch_invariant_gemm").batch_invariant_linear(x, weight, bias)
     if 0 < x.shape[0] <= skinny_rows:
         return kernel("skinny_gemm").skinny_gemm(x, weight, bias, **SKINNY_GEMM_TILES)
+    if out is not None:  # the GEMM F.linear runs on a 2-d x, into `out`
+        if bias is None:
+            return torch.mm(x, weight.t(), out=out)
+        return torch.addmm(bias, x, weight.t(), out=out)
     return F.linear(x, weight, bias)
 
 
@@ -109,14 +115,16 @@ class Linear(FusedOps, nn.Linear):
 
     lora: LoraLayer | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, in] -> [T, out]; written into `out` where the GEMM can (see `linear`). An
+        adapter's delta is added in place to the base output, in `out` too."""
         if self.lora is None:
-            return self.base(x)
-        return self.lora.around(x, functools.partial(self.base, x))
+            return self.base(x, out)
+        return self.lora.around(x, functools.partial(self.base, x, out))
 
-    def base(self, x: torch.Tensor) -> torch.Tensor:
+    def base(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The projection without any adapter delta."""
-        return linear(x, self.weight, self.own_bias(), self.skinny_rows, self.batch_invariant)
+        return linear(x, self.weight, self.own_bias(), self.skinny_rows, self.batch_invariant, out)
 
     def own_bias(self) -> torch.Tensor | None:
         """The bias this layer adds (a row-parallel layer's rank 0 alone adds it)."""
@@ -270,12 +278,16 @@ class RowParallelLinear(Linear):
     # False (DecoderModel.defer_all_reduces): the output is this rank's partial sum, which
     # the norm after the layer sums over the group.
     reduce = True
+    # With reduce False: out_for(rows, dtype) gives the buffer the norm after the layer sums
+    # `rows` rows in (AllReduceNorm.out_for), where the output is then written; None: anywhere.
+    out_for: Callable[[int, torch.dtype], torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / size] -> [T, out], the same on every rank. With adapters, this rank's
         # partial delta is added to its partial sums before they are summed.
-        out = super().forward(x)
-        return self.tp.all_reduce(out) if self.tp.size > 1 and self.reduce else out
+        out = None if self.out_for is None else self.out_for(x.shape[0], x.dtype)
+        y = super().forward(x, out)
+        return self.tp.all_reduce(y) if self.tp.size > 1 and self.reduce else y
 
     def own_bias(self) -> torch.Tensor | None:
         return self.bias if self.tp.rank == 0 else None

@@ -150,10 +150,12 @@ class DecoderModel(nn.Module):
     def defer_all_reduces(self, all_reduce: AllReduceNorm) -> None:
         """Each row-parallel projection (o_proj, down_proj) hands on its partial sums, and the
         norm after it sums them over the group as it adds the residual: with `all_reduce`'s
-        fused kernel, one launch for the three (forward/all_reduce_norm.py)."""
+        fused kernel, one launch for the three; with its symmetric sum, the projection writes
+        straight into the buffer summed in place (forward/all_reduce_norm.py)."""
         for i, layer in enumerate(self.layers):
-            layer.self_attn.o_proj.reduce = False
-            layer.mlp.down_proj.reduce = False
+            for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                projection.reduce = False
+                projection.out_for = all_reduce.out_for
             layer.post_attention_layernorm.all_reduce = all_reduce
             if i > 0:  # layer 0's input is the embedding, summed by embed_tokens
                 layer.input_layernorm.all_reduce = all_reduce

@@ -12,10 +12,11 @@ How a layer applies it (the wiring in rollout.models.layers): a Linear has an at
 all-reduce:
 
     if self.lora is None:
-        return self.base(x)      # the GEMM (RowParallelLinear: then self.tp.all_reduce)
+        return self.base(x, out)  # the GEMM (RowParallelLinear: then self.tp.all_reduce)
     # x: this layer's input (this rank's slice when row-parallel); the delta is added to
-    # base(x)'s output, after it or beside it (LoraLayer.around)
-    return self.lora.around(x, functools.partial(self.base, x))
+    # base(x)'s output in place, after it or beside it (LoraLayer.around): where the GEMM
+    # wrote into `out` (a symmetric buffer, forward/symmetric_sum.py), the delta lands there
+    return self.lora.around(x, functools.partial(self.base, x, out))
 
 A projection whose output goes straight to a kernel that can add a delta as it reads it (the
 model's `lora_delta_consumers`: SiLU-and-mul after gate/up, the norm after o_proj and down_proj)
