@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import sys
 import types
 
@@ -199,9 +200,16 @@ def test_linear_writes_torch_gemm_into_the_given_output():
         torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias))
 
 
-def test_where_symmetric_memory_cannot_run_the_error_names_the_option():
+def test_where_symmetric_memory_cannot_run_the_error_names_the_option(monkeypatch):
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
     with pytest.raises(RuntimeError, match=r"symm_mem_allreduce_min_rows sums in torch's symm"):
         SymmetricSum.allocate(TPGroup(0, 2), 8, 64, HIDDEN, torch.float32, torch.device("cpu"))
+    # Multicast is left off before torch's first symmetric allocation, unless the user set it.
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
+    with pytest.raises(RuntimeError):
+        SymmetricSum.allocate(TPGroup(0, 2), 8, 64, HIDDEN, torch.float32, torch.device("cpu"))
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "0"
     plan = resolve_kernel_plan(
         EngineOptions.from_kwargs(model_path="m"), torch.device("cpu"), torch.float32
     )

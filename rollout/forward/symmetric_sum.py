@@ -6,8 +6,8 @@ sizes (hidden 4096, bf16, two H100s: 0.130 ms against 0.165 at 4,096 rows), but 
 partial sums in first eats most of that. So the projection writes its GEMM's output straight
 into the buffer's first rows (`out_for`, asked by RowParallelLinear through the AllReduceNorm
 after it), and the sum runs in place there (`sum`). The two-shot kernel loads from peers; it
-needs no NVLink multicast, which the engine leaves off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 in
-the GPU scripts).
+needs no NVLink multicast, which the engine leaves off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless
+the environment says otherwise).
 
 The norm after the sum writes new tensors (its output and the next residual), so nothing of a
 layer outlives the buffer's next use by the layer after it.
@@ -15,6 +15,7 @@ layer outlives the buffer's next use by the layer after it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from rollout.forward.tensor_parallel import TPGroup
 
 OPTION = "symm_mem_allreduce_min_rows"
+MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 
 class SymmetricSum:
@@ -44,7 +46,10 @@ class SymmetricSum:
         """A buffer of `max_rows` rows in symmetric memory, summed by torch's two-shot
         all-reduce: every rank of `tp` must call this together (the ranks exchange their
         buffers' handles, then sum one row as a check), on its GPU, before any CUDA graph
-        capture. RuntimeError, naming the option, where symmetric memory cannot run."""
+        capture. RuntimeError, naming the option, where symmetric memory cannot run.
+        NVLink multicast stays off unless the environment turns it on: the two-shot sum needs
+        none, and a multicast object can fail (or worse) on hosts that do not support it."""
+        os.environ.setdefault(MULTICAST_ENV, "1")  # read at the first symmetric allocation
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
