@@ -2,8 +2,8 @@
 in a buffer of symmetric memory, which every rank maps and reads from its peers over NVLink.
 
 torch's two-shot all-reduce over such a buffer takes less time than NCCL's at a long prefill's
-sizes (hidden 4096, bf16, two H100s: 0.130 ms against 0.165 at 4,096 rows), but copying the
-partial sums in first eats most of that. So the projection writes its GEMM's output straight
+sizes, but copying the partial sums in first eats most of that (benchmarks/RESULTS.md,
+bench_allreduce_norm.py --symm-mem). So the projection writes its GEMM's output straight
 into the buffer's first rows (`out_for`, asked by RowParallelLinear through the AllReduceNorm
 after it), and the sum runs in place there (`sum`). The two-shot kernel loads from peers; it
 needs no NVLink multicast, which the engine leaves off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless
