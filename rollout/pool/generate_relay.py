@@ -101,9 +101,7 @@ class GenerateRelay:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
         if log_metrics:  # once the answer is out, which waits on nothing here
-            outs = json.loads(answer)
-            latency = time.monotonic() - start
-            self.metrics.observe("generate", outs if isinstance(outs, list) else [outs], latency)
+            observe_answer(self.metrics, answer, start)
 
     async def _stream(
         self, scope: dict, receive: Any, send: Any, part: Part, log_metrics: bool
@@ -187,6 +185,12 @@ async def until_disconnect(receive: Any, work: Awaitable[T]) -> T:
         timer.cancel()
         if watcher is not None:
             watcher.cancel()
+
+
+def observe_answer(metrics: ServerMetrics, answer: bytes, start: float) -> None:
+    """Records a relayed /generate's JSON answer, begun at `start` (time.monotonic)."""
+    outs = json.loads(answer)
+    metrics.observe("generate", outs if isinstance(outs, list) else [outs], time.monotonic() - start)
 
 
 def _relayable(scope: dict) -> bool:

@@ -137,17 +137,22 @@ def run_server(
 ) -> int:  # fmt: skip
     """Serves `pool` on `sock` (launch.listen's, bound before the pool started; the caller
     closes it) with rollout serve's app until a shutdown signal; shuts the pool down. The
-    server runs on the pool's own event loop (made by server_loop; serve_on_loop). `relay` (for a pool of HTTP workers): a one-prompt /generate goes to
-    its worker as the client sent it (generate_relay.py)."""
+    server runs on the pool's own event loop (made by server_loop; serve_on_loop). `relay` (for
+    a pool of HTTP workers): a one-prompt /generate goes to its worker as the client sent it,
+    answered on the connection (relay_connection.py) or through the app (generate_relay.py)."""
     from rollout.pool.generate_relay import relay_front
+    from rollout.pool.relay_connection import RelaySetup
     from rollout.server.app import create_app
 
     try:
         app = create_app(pool, options)
-        served = relay_front(app, pool.dispatcher, options) if relay else app
+        served, http = app, "auto"
+        if relay:
+            served = relay_front(app, pool.dispatcher, options)
+            http = RelaySetup(pool.dispatcher, app.state, options).protocol()
         config = uvicorn.Config(
             served, host=options.host, port=options.port, log_level=options.log_level,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, http=http,
         )  # fmt: skip
         server = signals.server = EngineServer(config, pool, app.state)
         url = f"http://{options.host}:{options.port}"

@@ -67,11 +67,14 @@ def caller_role(options: ServerOptions, token: str | None) -> str | None:
 def _bearer(scope: dict) -> str | None:
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
-            text = value.decode("latin-1")
-            if text[:7].lower() == "bearer ":
-                return text[7:].strip()
-            return None
+            return bearer_token(value)
     return None
+
+
+def bearer_token(value: bytes) -> str | None:
+    """The key of an Authorization header's value ("Bearer KEY"), None for another scheme."""
+    text = value.decode("latin-1")
+    return text[7:].strip() if text[:7].lower() == "bearer " else None
 
 
 def _content_length(scope: dict) -> int | None:
