@@ -209,3 +209,47 @@ def test_a_client_that_leaves_cancels_its_request(monkeypatch):
         assert outcomes == {"done", "left"}
 
     asyncio.run(run())
+
+
+def _counted(metrics) -> dict:
+    """The request, finish and token counters of a ServerMetrics (not the latencies)."""
+    counted = {}
+    for metric in (metrics.requests, metrics.finishes, metrics.prompt_tokens,
+                   metrics.generated_tokens, metrics.cached_tokens):  # fmt: skip
+        for family in metric.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counted[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return counted
+
+
+def test_a_relayed_answers_metrics_are_read_from_its_bytes_as_parsing_would_count_them():
+    from rollout.pool.generate_relay import observe_answer
+    from rollout.server.metrics import ServerMetrics
+
+    def output(reason, prompt, completion, cached, text="a"):
+        meta = {"id": "x", "prompt_tokens": prompt, "completion_tokens": completion,
+                "cached_tokens": cached, "finish_reason": reason, "weight_version": "v1",
+                "output_token_logprobs": [[-0.5, 7, None]] * 3}  # fmt: skip
+        return {"text": text, "output_ids": [7, 8], "meta_info": meta}
+
+    # Text that holds the keys themselves, escaped as JSON escapes them in a string.
+    tricky = 'say "prompt_tokens": 99, "finish_reason": {"type": "stop"} and \\"cached_tokens\\": 5'
+    answers = [
+        output({"type": "length", "length": 16}, 12, 16, 4),
+        [output({"type": "stop", "matched": "}\""}, 5, 3, 0, tricky),
+         output(None, 5, 0, 5), output({"type": "abort", "message": "x"}, 5, 1, 0)],
+        output({"matched": 2, "type": "stop"}, 1, 1, 0),  # type not first: counted as unknown
+    ]  # fmt: skip
+    for compact in (True, False):
+        parsed, scanned = ServerMetrics(), ServerMetrics()
+        for answer in answers:
+            body = json.dumps(answer, separators=(",", ":") if compact else None).encode()
+            observe_answer(scanned, body, 0.0)
+            outs = json.loads(body)
+            parsed.observe("generate", outs if isinstance(outs, list) else [outs], 0.0)
+        expected = _counted(parsed)
+        finish = "rollout_finish_reasons_total"
+        expected[(finish, (("endpoint", "generate"), ("reason", "unknown")))] += 1
+        expected[(finish, (("endpoint", "generate"), ("reason", "stop")))] -= 1
+        assert _counted(scanned) == expected

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import nullcontext
@@ -32,7 +33,7 @@ from rollout.pool.dispatch import Dispatcher
 from rollout.pool.requests import Part, relay_part
 from rollout.server.guard import Guard
 from rollout.server.json_body import LARGE_BODY_BYTES
-from rollout.server.metrics import DISCONNECT_STATUS, CountErrors, ServerMetrics
+from rollout.server.metrics import DISCONNECT_STATUS, TOKEN_COUNTS, CountErrors, ServerMetrics
 from rollout.server.options import ServerOptions
 from rollout.server.responses import describe_failure, failure
 from rollout.server.streaming import ClientDisconnected, sse
@@ -44,6 +45,10 @@ JSON_TYPE = (b"content-type", b"application/json")
 # On a relayed one-prompt answer: the index (in --worker-urls) of the worker that gave it, for
 # telling the router's own time from its workers' (benchmarks/bench_pool.py's probes).
 REPLICA_HEADER = b"x-rollout-replica"
+_COUNT_KEY = re.compile(rb'"(' + "|".join(TOKEN_COUNTS).encode() + rb')":\s*(\d+)')
+# finish_reason: null, or an object whose first key is its type (rollout/engine/messages.py);
+# either way one output, its type None where it is not found first.
+_FINISH_KEY = re.compile(rb'"finish_reason":\s*(?:\{\s*"type":\s*"([^"\\]*)")?')
 SSE_HEADERS = [  # what rollout serve's streams (streaming.sse_response) are sent with
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -188,9 +193,19 @@ async def until_disconnect(receive: Any, work: Awaitable[T]) -> T:
 
 
 def observe_answer(metrics: ServerMetrics, answer: bytes, start: float) -> None:
-    """Records a relayed /generate's JSON answer, begun at `start` (time.monotonic)."""
-    outs = json.loads(answer)
-    metrics.observe("generate", outs if isinstance(outs, list) else [outs], time.monotonic() - start)
+    """Records a relayed /generate's JSON answer, begun at `start` (time.monotonic), from what
+    its bytes say of each output: a finish reason's type and the token counts. Not parsed:
+    json.loads of an answer with logprobs holds the router's loop for milliseconds, and a key
+    in its quotes cannot occur inside a JSON string (a quote there is escaped), so each match
+    is a key of an output's meta_info as the worker wrote it."""
+    reasons = [
+        match.group(1).decode() if match.group(1) is not None else "unknown"
+        for match in _FINISH_KEY.finditer(answer)
+    ]
+    tokens = dict.fromkeys(TOKEN_COUNTS, 0)
+    for match in _COUNT_KEY.finditer(answer):
+        tokens[match.group(1).decode()] += int(match.group(2))
+    metrics.observe_counts("generate", reasons, tokens, time.monotonic() - start)
 
 
 def _relayable(scope: dict) -> bool:

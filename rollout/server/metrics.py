@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 CLIENT_DISCONNECT = "client_disconnect"
+# The meta_info counts summed into the token counters.
+TOKEN_COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 DISCONNECT_STATUS = 499  # what a route answers once its client left (nobody reads it)
 COUNTED = "rollout.errors_counted"  # scope key: a CountErrors counts this request's answer
 
@@ -94,15 +96,26 @@ class ServerMetrics:
 
     def observe(self, endpoint: str, outputs: list[dict], latency: float) -> None:
         """Records finished requests (SGLang-shaped output dicts)."""
+        metas = [out.get("meta_info", {}) for out in outputs]
+        self.observe_counts(
+            endpoint,
+            [(meta.get("finish_reason") or {}).get("type", "unknown") for meta in metas],
+            {key: sum(meta.get(key, 0) for meta in metas) for key in TOKEN_COUNTS},
+            latency,
+        )
+
+    def observe_counts(
+        self, endpoint: str, reasons: list[str], tokens: dict[str, int], latency: float
+    ) -> None:
+        """Records a finished request from its outputs' finish reasons and their summed token
+        counts (TOKEN_COUNTS' keys)."""
         self.requests.labels(endpoint, "ok").inc()
         self.e2e.observe(latency)
-        for out in outputs:
-            meta = out.get("meta_info", {})
-            reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+        for reason in reasons:
             self.finishes.labels(endpoint, reason).inc()
-            self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
-            self.generated_tokens.inc(meta.get("completion_tokens", 0))
-            self.cached_tokens.inc(meta.get("cached_tokens", 0))
+        self.prompt_tokens.inc(tokens.get("prompt_tokens", 0))
+        self.generated_tokens.inc(tokens.get("completion_tokens", 0))
+        self.cached_tokens.inc(tokens.get("cached_tokens", 0))
 
     def error(self, path: str, status: int, kind: str) -> None:
         """Records an error answer (or an error event in a stream) to a request for `path`."""
