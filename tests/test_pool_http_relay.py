@@ -130,11 +130,11 @@ def test_a_workers_refusal_comes_back_with_its_message(workers, rid, status, kin
     assert errors == {(f"{status // 100}xx", kind): 1.0}  # counted once
 
 
-@pytest.mark.parametrize("rid", [123, {"r": 1}, 1.5])
+@pytest.mark.parametrize("rid", [123, {"r": 1}, 1.5, [7]])
 def test_a_rid_that_is_no_string_is_refused_by_the_router_itself(workers, rid):
     async def run():
         async with router(workers) as client:
-            answer = await client.post("/generate", json={"input_ids": [1], "rid": rid})
+            answer = await client.post("/generate", json={"input_ids": [1, 2], "rid": rid})
             return answer, _errors(client)
 
     answer, errors = asyncio.run(run())
@@ -166,6 +166,8 @@ def test_which_bodies_are_relayed():
     assert relayed({"input_ids": [1, 2], "sampling_params": {"n": 4}})
     assert relayed({"text": "a prompt", "stream": True, "rid": "r"})
     assert relayed({"input_ids": [[1, 2]]})  # a batch of one: its answer is a list of one
+    assert relayed({"input_ids": [[1, 2]], "rid": ["r"]})
+    assert not relayed({"input_ids": [1, 2], "rid": 7})  # the app refuses it
     assert not relayed({"input_ids": [[1, 2], [3]]})  # a batch: split over the workers
     assert not relayed({"text": ["a", "b"]})
     assert not relayed({"input_ids": [1, 2], "stream": True, "sampling_params": {"n": 2}})

@@ -184,6 +184,7 @@ def test_what_the_fast_path_does_not_take_gets_the_apps_answer(served):
         "batch": post(json.dumps({"input_ids": [[1, 2], [3, 4]]}).encode()),
         "bad": post(b'{"input_ids": [1, 2], "bogus": 1}'),
         "not json": post(b"{not json"),
+        "rid": post(json.dumps({"input_ids": [1, 2], "rid": 123}).encode()),
         "chunked": (
             b"POST /generate HTTP/1.1\r\nhost: r\r\nauthorization: Bearer " + USER_KEY.encode()
             + b"\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n" % len(one) + one + b"\r\n0\r\n\r\n"
@@ -200,6 +201,7 @@ def test_what_the_fast_path_does_not_take_gets_the_apps_answer(served):
     assert [o["output_ids"] for o in json.loads(answers["batch"][2])] == [[1, 2], [3, 4]]
     assert answers["bad"][0] == 400 and b"bogus" in answers["bad"][2]
     assert answers["not json"][0] == 400
+    assert answers["rid"][0] == 400 and b"rid" in answers["rid"][2]
     for name in ("chunked", "large"):  # the app's own path: its answer made again
         assert answers[name][0] == 200 and json.loads(answers[name][2]) == json.loads(ANSWER)
     assert answers["too large"][0] == 413

@@ -62,7 +62,7 @@ def relay_part(body: Any, raw: bytes) -> Part | None:
     if not isinstance(body, dict) or not _WIRE_KEYS.issuperset(body):
         return None
     stream, log_metrics = body.get("stream", False), body.get("log_metrics", True)
-    if type(stream) is not bool or type(log_metrics) is not bool:
+    if type(stream) is not bool or type(log_metrics) is not bool or not _one_rid(body.get("rid")):
         return None
     prompt, ids, params = body.get("text"), body.get("input_ids"), body.get("sampling_params")
     key = _single_key(prompt, ids)
@@ -72,6 +72,14 @@ def relay_part(body: Any, raw: bytes) -> Part | None:
     if stream and not one_sample:
         return None
     return Part(raw, key, _pin(body.get("rid"), body.get("session_params")), _tokens(params, key))
+
+
+def _one_rid(rid: Any) -> bool:
+    """Whether `rid` may name one prompt's request: none, a string, or a list of one (the router
+    claims it and pins on it; the app refuses any other)."""
+    return rid is None or isinstance(rid, str) or (
+        isinstance(rid, list) and len(rid) == 1 and isinstance(rid[0], str)
+    )
 
 
 def _one_sample(params: Any) -> bool:
