@@ -89,7 +89,7 @@ class KernelOptions:
         "over NVLink) for batches of up to FUSED_MAX_TOKENS (forward/all_reduce_norm.py), "
         "instead of an NCCL all-reduce and a norm kernel; nothing to fuse at tp_size 1",
     )
-    # Not yet measured inside the engine: off until a GPU session times it against NCCL.
+    # Off: no gain over NCCL shown inside the engine (benchmarks/RESULTS.md).
     symm_mem_allreduce_min_rows: int = _opt(
         0,
         "with tensor parallelism on GPUs, forwards of at least this many tokens (up to the "

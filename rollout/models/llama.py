@@ -155,7 +155,8 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 projection.reduce = False
-                projection.out_for = all_reduce.out_for
+                # Only a symmetric sum has a buffer to write into: else nothing to ask per call.
+                projection.out_for = all_reduce.out_for if all_reduce.symmetric is not None else None
             layer.post_attention_layernorm.all_reduce = all_reduce
             if i > 0:  # layer 0's input is the embedding, summed by embed_tokens
                 layer.input_layernorm.all_reduce = all_reduce

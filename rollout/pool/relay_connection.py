@@ -27,7 +27,6 @@ import functools
 import json
 import logging
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -47,7 +46,6 @@ HEAD_END = b"\r\n\r\n"
 MAX_HEAD_BYTES = 16384  # a longer head goes to uvicorn, which applies its own limits
 HIGH_WATER_BYTES = 2**16  # bytes of the next requests read while one is relayed
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
-_REFUSE = object()  # what _Head.parse gives for a request that goes to uvicorn
 
 
 @dataclass(frozen=True)
@@ -68,37 +66,37 @@ class RelaySetup:
 class _Head:
     raw: bytes  # as it came, its blank line included
     length: int  # the body's bytes
-    token: str | None  # the Authorization header's bearer key
+    role: str | None  # the caller's, by its Authorization header's key (guard.caller_role)
     keep_alive: bool
 
     @staticmethod
-    def parse(head: bytes) -> _Head | object:
-        """The head (its blank line included) of a request the fast path may take, or _REFUSE."""
+    def parse(head: bytes, options: ServerOptions) -> _Head | None:
+        """The head (its blank line included) of a request the fast path may take, or None."""
         lines = head[: -len(HEAD_END)].split(b"\r\n")
         if lines[0] != REQUEST_LINE:
-            return _REFUSE
+            return None
         length, token, keep_alive, seen_auth = None, None, True, False
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
             if not colon or not name or name[:1] in b" \t" or name[-1:] in b" \t":
-                return _REFUSE  # malformed: uvicorn's parser answers it
+                return None  # malformed: uvicorn's parser answers it
             name, value = name.lower(), value.strip()
             if name == b"content-length":
                 if length is not None or not value.isdigit():
-                    return _REFUSE
+                    return None
                 length = int(value)
             elif name in (b"transfer-encoding", b"expect", b"upgrade"):
-                return _REFUSE
+                return None
             elif name == b"connection":
-                options = {option.strip().lower() for option in value.split(b",")}
-                if b"upgrade" in options:
-                    return _REFUSE
-                keep_alive = keep_alive and b"close" not in options
+                connection = {option.strip().lower() for option in value.split(b",")}
+                if b"upgrade" in connection:
+                    return None
+                keep_alive = keep_alive and b"close" not in connection
             elif name == b"authorization" and not seen_auth:  # the first, as the Guard reads
                 seen_auth, token = True, bearer_token(value)
         if length is None:
-            return _REFUSE
-        return _Head(head, length, token, keep_alive)
+            return None
+        return _Head(head, length, caller_role(options, token), keep_alive)
 
 
 class RelayConnection(asyncio.Protocol):
@@ -169,8 +167,8 @@ class RelayConnection(asyncio.Protocol):
                 if len(self.buffer) > MAX_HEAD_BYTES:
                     self._hand_over()
                 return  # the head is still coming
-            head = _Head.parse(bytes(self.buffer[: end + len(HEAD_END)]))
-            if not isinstance(head, _Head) or not self._admitted(head):
+            head = _Head.parse(bytes(self.buffer[: end + len(HEAD_END)]), self.setup.options)
+            if head is None or not self._admitted(head):
                 self._hand_over()
                 return
             del self.buffer[: end + len(HEAD_END)]
@@ -186,25 +184,22 @@ class RelayConnection(asyncio.Protocol):
             return
         del self.buffer[: head.length]
         fields, part = taken
-        role = caller_role(self.setup.options, head.token)
-        self.relaying = task = self.loop.create_task(self._relay(fields, part, role, head))
+        self.relaying = task = self.loop.create_task(self._relay(fields, part, head))
         self.server_state.tasks.add(task)
         task.add_done_callback(self.server_state.tasks.discard)
 
     def _admitted(self, head: _Head) -> bool:
         """Whether the Guard would let it through without a word (else the Guard answers)."""
-        options = self.setup.options
         return (
             head.length <= self.limit
             and not getattr(self.setup.state, "stopping", False)
-            and caller_role(options, head.token) is not None
+            and head.role is not None
         )
 
-    async def _relay(self, fields: dict, part: Part, role: str, head: _Head) -> None:
+    async def _relay(self, fields: dict, part: Part, head: _Head) -> None:
         setup, start = self.setup, time.monotonic()
-        rid = fields.get("rid")
         try:
-            with setup.state.owners.claim(rid, role) if rid is not None else nullcontext():
+            with setup.state.owners.claim(fields.get("rid"), head.role):
                 answer, replica = await setup.dispatcher.relay(part)
         except asyncio.CancelledError:
             if not self.lost:
