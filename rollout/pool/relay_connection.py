@@ -210,10 +210,10 @@ class RelayConnection(asyncio.Protocol):
             status, message, kind = describe_failure(e, PATH)
             setup.state.metrics.error(PATH, status, kind)
             self._answer(status, error(status, message, kind).body, b"", head)
-        else:
-            self._answer(200, answer, REPLICA_HEADER + b": %d\r\n" % replica, head)
+        else:  # counted before the client can read the answer (a scrape after it sees it)
             if fields.get("log_metrics", True):
                 observe_answer(setup.state.metrics, answer, start)
+            self._answer(200, answer, REPLICA_HEADER + b": %d\r\n" % replica, head)
         finally:
             self.relaying = None
         self._after_answer(head)
