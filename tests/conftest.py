@@ -3,14 +3,22 @@
 Without CUDA, Triton's kernels run under its interpreter (TRITON_INTERPRET), which Triton reads
 when a kernel module is first imported: set here, before any test module imports
 `rollout_kernels`, so that no test's outcome depends on which test file a worker ran first.
+
+Each process's torch runs its CPU ops on one thread (OMP_NUM_THREADS, read by torch as it starts
+here and in every engine or server process a test starts), unless the environment says
+otherwise: the suite runs in two processes on two cores, the tiny models' ops are too small to
+split, and threads of one op waiting on each other beside the other worker's made the suite
+slower (benchmarks/RESULTS.md, thirty-fourth session).
 """
 
 from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
