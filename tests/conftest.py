@@ -5,10 +5,10 @@ when a kernel module is first imported: set here, before any test module imports
 `rollout_kernels`, so that no test's outcome depends on which test file a worker ran first.
 
 Each process's torch runs its CPU ops on one thread (OMP_NUM_THREADS, read by torch as it starts
-here and in every engine or server process a test starts), unless the environment says
+here and in every engine, server or example process a test starts), unless the environment says
 otherwise: the suite runs in two processes on two cores, the tiny models' ops are too small to
-split, and threads of one op waiting on each other beside the other worker's made the suite
-slower (benchmarks/RESULTS.md, thirty-fourth session).
+split, and threads of one op wait on descheduled ones whenever the cores are shared (an
+example's rollouts ran 60x slower so; the suite, benchmarks/RESULTS.md, thirty-fourth session).
 """
 
 from __future__ import annotations

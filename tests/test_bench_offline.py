@@ -19,9 +19,8 @@ TINY_CONTEXT = 4096  # max_position_embeddings of `rollout tiny-model`
 
 
 def run_bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the tiny model's ops are too small to split
     return subprocess.run(
-        [sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout
     )
 
 

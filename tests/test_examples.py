@@ -46,11 +46,8 @@ def run_example(
             f"sys.path.insert(0, {os.path.dirname(script)!r})\n"
             f"runpy.run_path({script!r}, run_name='__main__')\n"
         )]  # fmt: skip
-    # One torch thread per process. An example runs three processes (trainer, scheduler,
-    # detokenizer; a server too for remote_trainer.py). With torch's one thread per core each,
-    # their small ops wait on descheduled threads whenever the cores are shared: on this 2-core
-    # machine, busy with other work, rollouts ran 60x slower (75 vs 5000 tokens/s).
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # One torch thread per process (tests/conftest.py), inherited by the example's processes.
+    env = dict(os.environ)
     env.pop("WANDB_MODE", None)  # the examples' own default (offline) is what is tested
     # cwd: a temporary directory, where the default run directory (./runs/...) goes.
     return subprocess.run(
@@ -260,11 +257,10 @@ def test_ppo_stopped_mid_training_leaves_no_reward_server_behind(sig, tmp_path):
     server's scheduler and detokenizer follow it."""
     script = os.path.join(ROOT, "trainers_examples", "ppo.py")
     args = [sys.executable, script, "--rm-steps", "0", "--steps", "100000", "--no-wandb"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     stderr = tmp_path / "stderr.txt"  # a file: a full pipe nobody reads would stall the run
     with open(stderr, "w") as err:
         trainer = subprocess.Popen(
-            args, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=err, text=True
+            args, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=err, text=True
         )
     watchdog = threading.Timer(240, trainer.terminate)  # a trainer that hangs ends the loop below
     watchdog.start()
