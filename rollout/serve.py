@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import sys
 
+from rollout.engine.processes import start_fork_server
 from rollout.server.launch import parse, serve
 
 
 def main(argv: list[str] | None = None, prog: str = "rollout serve") -> int:
     """Returns the exit status: 0 after a shutdown signal, 1 when the engine died while serving."""
     options, engine_options = parse(argv, prog)
+    start_fork_server()  # the engine's processes' imports, beside the server's own
     if options.dp_size > 1:
         from rollout.pool.http_router import serve_replicas
 

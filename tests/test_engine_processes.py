@@ -12,31 +12,11 @@ import textwrap
 import time
 
 import pytest
+from process_helpers import alive, descendants, still_alive
 
 from rollout import RolloutEngine
+from rollout.engine.processes import PRELOAD, start_fork_server, start_process, stop_process
 from rollout.engine.tokenizer_manager import EngineDeadError
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_dead(pids: list[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
@@ -62,7 +42,7 @@ def test_shutdown_stops_every_subprocess(tiny_qwen3):
     pids = [p.pid for p in engine._procs]
     engine.generate("hello", {"max_new_tokens": 2})
     engine.shutdown()
-    assert _wait_dead(pids, 10)
+    assert still_alive(pids, within_s=10) == []
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate("hello")
 
@@ -89,10 +69,11 @@ def test_killed_caller_leaves_no_orphans(tiny_qwen3, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = json.loads(proc.stdout.readline())
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
+        pids = descendants(proc.pid)  # the engine's processes and their fork server
         proc.kill()
         proc.wait()
-        assert _wait_dead(pids, 10)
+        assert still_alive(pids, within_s=10) == []
     finally:
         proc.kill()
 
@@ -125,7 +106,7 @@ def test_a_script_that_never_shuts_the_engine_down_still_exits(tiny_qwen3, tmp_p
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "2"
-    assert len(pids) == 2 and _wait_dead(pids, 10)
+    assert len(pids) == 2 and still_alive(pids, within_s=10) == []
 
 
 def test_an_engine_created_outside_the_main_guard_names_the_guard(tiny_qwen3, tmp_path):
@@ -178,3 +159,47 @@ def test_an_interrupted_generate_aborts_its_requests(tiny_qwen3, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == [0, 0, 2]
+
+
+def _write_environment(path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(dict(os.environ), f)
+
+
+def test_a_child_gets_the_environment_of_the_moment_it_is_started(tmp_path, monkeypatch):
+    # The fork server keeps the environment it started with; each child must see the engine's
+    # as it is when the engine starts (CUDA_VISIBLE_DEVICES, NCCL settings, a trainer's own).
+    start_fork_server()
+    monkeypatch.setenv("ROLLOUT_TEST_SET_LATER", "yes")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    path = str(tmp_path / "environ.json")
+    proc = start_process(_write_environment, (path,), "environment")
+    stop_process(proc, timeout=30)
+    with open(path) as f:
+        environ = json.load(f)
+    assert environ == dict(os.environ)
+    assert environ["ROLLOUT_TEST_SET_LATER"] == "yes" and "OMP_NUM_THREADS" not in environ
+
+
+def test_the_fork_server_imports_touch_no_cuda():
+    # A process that initialized CUDA cannot fork children that use it: what the fork server
+    # preloads must not ask torch about GPUs at import.
+    script = textwrap.dedent(
+        """
+        import importlib, torch
+
+        def touched(*args, **kwargs):
+            raise RuntimeError("CUDA touched at import")
+
+        for name in ("is_available", "device_count", "init", "_lazy_init", "current_device"):
+            setattr(torch.cuda, name, touched)
+        torch._C._cuda_getDeviceCount = touched
+        from rollout.engine.processes import PRELOAD
+        for module in PRELOAD:
+            importlib.import_module(module)
+        print("imported", len(PRELOAD))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["imported", str(len(PRELOAD))]

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+from process_helpers import descendants, still_alive
 from server_helpers import SERVER_ARGS, free_port
 
 from rollout.client import RolloutClient
@@ -39,32 +40,6 @@ def _server(model_path: str, log_path: str) -> Iterator[tuple[subprocess.Popen, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _stat_fields(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if int(_stat_fields(int(entry))[1]) == pid:
-                    kids.append(int(entry))
-            except (OSError, IndexError):
-                continue
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    """Running or a zombie nobody reaped (a reaped process is gone from /proc)."""
-    try:
-        _stat_fields(pid)
-    except OSError:
-        return False
-    return True
 
 
 def _unix_sockets(pid: int) -> list[str]:
@@ -98,20 +73,13 @@ def _scheduler(children: list[int]) -> int:
     return pid
 
 
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_shutdown_signal_aborts_requests_reaps_children_and_exits_0(tiny_qwen3, tmp_path, sig):
     log = str(tmp_path / "server.log")
     events: list[dict] = []
     with _server(tiny_qwen3, log) as (proc, url):
-        children = _children(proc.pid)
-        assert len(children) >= 2  # the scheduler and the detokenizer
+        children = descendants(proc.pid)
+        assert len(children) >= 2  # the scheduler and the detokenizer (and their fork server)
         ipc_dir = _ipc_dir(proc.pid)
         assert os.path.isdir(ipc_dir)
         streaming = threading.Event()
@@ -138,14 +106,14 @@ def test_a_shutdown_signal_aborts_requests_reaps_children_and_exits_0(tiny_qwen3
     with open(log) as f:
         stderr = f.read()
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
-    assert _wait_gone(children, timeout=5) == []
+    assert still_alive(children, within_s=5, reaped=True) == []
     assert not os.path.exists(ipc_dir)
 
 
 def test_a_dead_scheduler_fails_health_at_once_and_the_server_exits_1(tiny_qwen3, tmp_path):
     log = str(tmp_path / "server.log")
     with _server(tiny_qwen3, log) as (proc, url):
-        children = _children(proc.pid)
+        children = descendants(proc.pid)
         scheduler = _scheduler(children)
         ipc_dir = _ipc_dir(proc.pid)
         assert httpx.get(f"{url}/health").status_code == 200
@@ -165,7 +133,7 @@ def test_a_dead_scheduler_fails_health_at_once_and_the_server_exits_1(tiny_qwen3
     with open(log) as f:
         stderr = f.read()
     assert "the engine stopped serving" in stderr, stderr
-    assert _wait_gone(children, timeout=5) == []
+    assert still_alive(children, within_s=5, reaped=True) == []
     assert not os.path.exists(ipc_dir)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import threading
@@ -14,6 +13,7 @@ import openai
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from process_helpers import descendants, still_alive
 from server_helpers import start_server, stop_server
 
 from rollout.client import RolloutClient
@@ -152,32 +152,10 @@ def test_clients_with_keys(keyed):
         assert admin.flush_cache()["success"] is True
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                kids.append(int(entry))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_sigterm_aborts_in_flight_requests_and_everything_exits(tiny_qwen3):
     proc, url = start_server(tiny_qwen3)
     port = int(url.rsplit(":", 1)[1])
-    children = _children(proc.pid)
+    children = descendants(proc.pid)
     assert len(children) >= 2  # scheduler and detokenizer
     results: list = []
 
@@ -204,10 +182,7 @@ def test_sigterm_aborts_in_flight_requests_and_everything_exits(tiny_qwen3):
     for t in threads:
         t.join(timeout=10)
     assert time.monotonic() - start < 10
-    deadline = time.monotonic() + 10 - (time.monotonic() - start)
-    while any(_alive(c) for c in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(c) for c in children)
+    assert still_alive(children, within_s=max(10 - (time.monotonic() - start), 0)) == []
     assert len(results) == 3
     for r in results:
         assert isinstance(r, dict), r

@@ -1,9 +1,16 @@
-"""Subprocess plumbing: ZMQ addresses, starting the scheduler and detokenizer, orphan safety."""
+"""Subprocess plumbing: ZMQ addresses, starting the scheduler and detokenizer, orphan safety.
+
+The scheduler and detokenizer are forked from a fork server (multiprocessing's "forkserver"):
+a clean interpreter, started once per process, that has imported torch, transformers and the
+engine's modules but touched no GPU and runs no threads of the caller's. Each engine's children
+then start without importing anything, and the fork server's own imports run beside the
+caller's (start_fork_server)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import select
 import signal
 import tempfile
 import threading
@@ -48,34 +55,93 @@ class Addresses:
 
 
 def watch_parent(parent_pid: int) -> None:
-    """Exits this process as soon as its parent is gone (also when the parent was SIGKILLed),
-    so no scheduler or detokenizer outlives the engine that started it."""
+    """Exits this process as soon as the engine's process `parent_pid` is gone (also when it
+    was SIGKILLed), so no scheduler or detokenizer outlives the engine that started it. The
+    engine is not this process's parent (the fork server is): its pid is watched instead."""
+    try:
+        wait = _exit_waiter(parent_pid)
+    except ProcessLookupError:
+        os._exit(0)
 
     def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(0)
-            time.sleep(PARENT_POLL_S)
+        wait()
+        os._exit(0)
 
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
+def _exit_waiter(pid: int):
+    """A function that returns once process `pid` has exited: it waits on a pidfd where the
+    system has them (Linux 5.3: never confused with a later process given the same pid), else
+    polls with signal 0. Raises ProcessLookupError when `pid` is already gone."""
+    try:
+        fd = os.pidfd_open(pid)  # readable once the process has exited
+        return lambda: select.select([fd], [], [])
+    except ProcessLookupError:
+        raise
+    except (AttributeError, OSError):  # no pidfds here
+        os.kill(pid, 0)
+
+    def poll() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+
+    return poll
+
+
+# What the children import before they run: preloaded by the fork server (names it cannot
+# import are skipped), so that an engine's start imports none of them again.
+PRELOAD = [
+    "rollout.engine.scheduler_process",
+    "rollout.engine.scheduler",
+    "rollout.engine.detokenizer",
+    "transformers.models.auto.configuration_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.generation.configuration_utils",
+]
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Starts this process's fork server now, if it is not running, without waiting for its
+    imports: `rollout serve` calls it first, so that they run while the server imports its
+    own."""
+    from multiprocessing import forkserver
+
+    _context()
+    forkserver.ensure_running()
+
+
 def start_process(target, args: tuple, name: str) -> mp.Process:
-    """Starts `target(*args)` in a fresh interpreter. The child ignores SIGINT and SIGTERM: the
-    process that started it stops it (a shutdown message, then stop_process). A Ctrl+C, or a
-    SIGTERM sent to the whole process group, would otherwise kill the scheduler first, failing
-    the requests in flight instead of letting the parent abort them and exit cleanly."""
-    # spawn: a forked child would inherit the caller's CUDA context and threads.
-    proc = mp.get_context("spawn").Process(
-        target=_run_child, args=(target, args), name=name, daemon=True
+    """Starts `target(*args)` in a child of the fork server, with this process's environment as
+    it is now (as a freshly started interpreter would have it). The child ignores SIGINT and
+    SIGTERM: the process that started it stops it (a shutdown message, then stop_process). A
+    Ctrl+C, or a SIGTERM sent to the whole process group, would otherwise kill the scheduler
+    first, failing the requests in flight instead of letting the parent abort them and exit
+    cleanly."""
+    # Not a plain fork of the caller: it would inherit the caller's CUDA context and threads.
+    proc = _context().Process(
+        target=_run_child, args=(target, args, dict(os.environ)), name=name, daemon=True
     )
     proc.start()
     return proc
 
 
-def _run_child(target, args: tuple) -> None:
+def _run_child(target, args: tuple, environ: dict[str, str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The fork server's environment is the one it started with: the caller's is this child's.
+    os.environ.clear()
+    os.environ.update(environ)
     target(*args)
 
 

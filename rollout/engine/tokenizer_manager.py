@@ -103,7 +103,7 @@ class TokenizerManager:
             elif not self.is_alive():
                 raise EngineDeadError(
                     "the engine's subprocess exited during startup (its output, if any, is above; "
-                    "killed?). Its processes are spawned and import the calling script first: a "
+                    "killed?). Its processes import the calling script first: a "
                     "script that creates the engine at its top level must do so under "
                     '`if __name__ == "__main__":`'
                 )
