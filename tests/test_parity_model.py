@@ -90,7 +90,7 @@ def test_padded_batches_score_as_the_sequences_alone(tiny_qwen3):
 
 def test_grpo_parity_example_has_a_logprob_gap_of_zero_at_every_step(tmp_path):
     script = os.path.join(ROOT, "trainers_examples", "grpo.py")
-    args = ["--parity", "--steps", "2", "--prompts-per-step", "2", "--n", "2",
+    args = ["--parity", "--steps", "2", "--prompts-per-step", "1", "--n", "2",
             "--max-new-tokens", "3", "--minibatches", "1", "--no-wandb",
             "--log-dir", str(tmp_path / "run")]  # fmt: skip
     proc = subprocess.run(
