@@ -117,7 +117,7 @@ def start_fork_server() -> None:
     own."""
     from multiprocessing import forkserver
 
-    _context()
+    _context()  # sets the preload list, which the server reads as it starts
     forkserver.ensure_running()
 
 
@@ -139,7 +139,7 @@ def start_process(target, args: tuple, name: str) -> mp.Process:
 def _run_child(target, args: tuple, environ: dict[str, str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # The fork server's environment is the one it started with: the caller's is this child's.
+    # The fork server's environment is the one it started with; the child takes the caller's.
     os.environ.clear()
     os.environ.update(environ)
     target(*args)
