@@ -112,17 +112,25 @@ def test_bf16_logprobs_match_transformers_on_real_shapes(real_checkpoint, backen
     stats = {
         "backend": backend,
         "vs_hf_bf16_max": (ours_t - theirs_t).abs().max().item(),
-        "vs_hf_bf16_mean": (ours_t - theirs_t).abs().mean().item(),
-        "vs_fp32_max": (ours_t - truth_t).abs().max().item(),
-        "vs_fp32_mean": (ours_t - truth_t).abs().mean().item(),
-        "hf_bf16_vs_fp32_max": (theirs_t - truth_t).abs().max().item(),
-        "hf_bf16_vs_fp32_mean": (theirs_t - truth_t).abs().mean().item(),
+        "vs_fp32": _error_spread(ours_t - truth_t),
+        "hf_bf16_vs_fp32": _error_spread(theirs_t - truth_t),
     }
     print(stats)
     # As far from the exact logprobs as transformers' bf16 run, with a quarter to spare, or
-    # within the fixed tolerance where that is wider. At tp 2 a row-parallel projection's
-    # output is two bf16 partial sums added in bf16: two roundings more per projection than
-    # one GPU's (RESULTS.md, fifteenth session: what Qwen3-0.6B's 28 layers make of them).
+    # within the fixed tolerance where that is wider: on the mean and the 90th percentile of
+    # the tokens' errors. The worst of 72 tokens is one rounding's luck (two runs with the
+    # same spread of errors often differ by more than a quarter in it): it gets twice the
+    # bound, enough to catch a token that a wrong row or KV slot puts far off. At tp 2 a
+    # row-parallel projection's output is two bf16 partial sums added in bf16: two roundings
+    # more per projection than one GPU's (RESULTS.md, fifteenth session: what Qwen3-0.6B's 28
+    # layers make of them).
     spare = 1.25 * (TP_SPREAD if BACKENDS[backend].get("tp_size", 1) > 1 else 1.0)
-    assert stats["vs_fp32_max"] <= max(LOGPROB_TOL, spare * stats["hf_bf16_vs_fp32_max"]), stats
-    assert stats["vs_fp32_mean"] <= max(LOGPROB_TOL / 2, spare * stats["hf_bf16_vs_fp32_mean"]), stats
+    floor = {"mean": LOGPROB_TOL / 2, "q90": LOGPROB_TOL, "max": LOGPROB_TOL}
+    for name, bound in (("mean", spare), ("q90", spare), ("max", 2 * spare)):
+        limit = max(floor[name], bound * stats["hf_bf16_vs_fp32"][name])
+        assert stats["vs_fp32"][name] <= limit, (name, limit, stats)
+
+
+def _error_spread(diff: torch.Tensor) -> dict[str, float]:
+    err = diff.abs()
+    return {"mean": err.mean().item(), "q90": err.quantile(0.9).item(), "max": err.max().item()}

@@ -90,9 +90,12 @@ def test_padded_batches_score_as_the_sequences_alone(tiny_qwen3):
 
 def test_grpo_parity_example_has_a_logprob_gap_of_zero_at_every_step(tmp_path):
     script = os.path.join(ROOT, "trainers_examples", "grpo.py")
+    # A random tiny model's 3-token answers score 0 nearly always, and a group of equal rewards
+    # has no gradient: the weight decay is what makes step 1's push carry new weights, so
+    # that step 2 samples from and scores with weights the trainer changed.
     args = ["--parity", "--steps", "2", "--prompts-per-step", "1", "--n", "2",
-            "--max-new-tokens", "3", "--minibatches", "1", "--no-wandb",
-            "--log-dir", str(tmp_path / "run")]  # fmt: skip
+            "--max-new-tokens", "3", "--minibatches", "1", "--weight-decay", "0.1",
+            "--no-wandb", "--log-dir", str(tmp_path / "run")]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, script, *args], cwd=tmp_path, capture_output=True, text=True,
         timeout=400,

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
 def train(args: argparse.Namespace, engine: Any, policy: torch.nn.Module) -> dict:
     from rollout.weight_sync.sender import WeightSender
 
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sender = WeightSender(engine, method="tensor")
     task = ToolTask(engine.tokenizer)
     with_prior = PolicyWithPrior(policy, task.secrets)
@@ -242,7 +242,9 @@ def train(args: argparse.Namespace, engine: Any, policy: torch.nn.Module) -> dic
             stats = train_and_push(
                 engine, sender, policy, optimizer, batch, token_loss, args, version, with_prior
             )
-            log.log(step + 1, {"rollout_tokens_per_s": batch.num_tokens / rollout_s, **rates, **stats})
+            log.log(
+                step + 1, {"rollout_tokens_per_s": batch.num_tokens / rollout_s, **rates, **stats}
+            )
     finally:
         sender.close()
     final = log.history[-1] if log.history else {}

@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
         "--max-new-tokens", type=int, default=defaults["max_new_tokens"], help="tokens per sample"
     )
     t.add_argument("--lr", type=float, default=defaults["lr"], help="AdamW learning rate")
+    t.add_argument(
+        "--weight-decay", type=float, default=0.0,
+        help="AdamW's decoupled weight decay: every step shrinks each weight by lr × this",
+    )  # fmt: skip
     t.add_argument("--clip", type=float, default=0.2, help="PPO clip range of the importance ratio")
     t.add_argument(
         "--tis-cap", type=float, default=None,

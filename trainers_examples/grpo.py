@@ -121,7 +121,9 @@ def check_parity_arguments(args: argparse.Namespace) -> None:
             f"and {args.device}"
         )
     if importlib.util.find_spec("triton") is None:
-        raise SystemExit("--parity runs the engine's Triton kernels in the trainer too: pip install triton")
+        raise SystemExit(
+            "--parity runs the engine's Triton kernels in the trainer too: pip install triton"
+        )
     args.engine_option.append("enable_deterministic_inference=true")
     if args.device == "cpu":  # the kernels run under Triton's interpreter, here and in the engine
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -185,7 +187,7 @@ def train(args: argparse.Namespace, engine: Any, policy: torch.nn.Module) -> dic
 
         scorer = ParityModel(policy)
 
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sender = WeightSender(engine, method="tensor", bucket_bytes=args.bucket_mb << 20,
                           lora_name=getattr(engine, "lora_name", None))  # fmt: skip
     task = DigitTask(engine.tokenizer)

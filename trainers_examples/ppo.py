@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.kl_coef > 0:
             reference = load_policy(model_path, args.trainer_device, args.trainer_dtype)
             reference.requires_grad_(False)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(
+            policy.parameters(), lr=args.lr, weight_decay=args.weight_decay
+        )
         sender = WeightSender(engine, method="tensor", bucket_bytes=args.bucket_mb << 20)
         stack.callback(sender.close)
         log = RunLog("ppo", vars(args), args.log_dir, use_wandb=not args.no_wandb)

@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
         )
         client = stack.enter_context(RolloutClient(url, api_key=args.api_key))
         policy = load_policy(model_path, args.trainer_device, args.trainer_dtype)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(
+            policy.parameters(), lr=args.lr, weight_decay=args.weight_decay
+        )
         sender = WeightSender(client, method="distributed")
         stack.callback(sender.close)
         port = args.master_port or free_port(args.master_address)
