@@ -119,6 +119,32 @@ def test_flashinfer_decode_matches_torch_backend(runs):
     _assert_same_greedy(runs["fi-graphs"], runs["torch"], BACKEND_TOL, BACKEND_TIE)
 
 
+def test_flashinfer_decode_graph_of_a_batch_filling_the_device_matches_eager(tmp_path_factory):
+    """A decode batch of at least two (request, KV head) pairs an SM, where FlashInfer's plan
+    gives each request one piece of keys: in a graph its split-KV plan still writes partial
+    outputs and merges them, eagerly it writes the output at once. The same tokens and
+    logprobs either way."""
+    if not package_imports("flashinfer"):
+        pytest.skip("needs flashinfer")
+    path = make_tiny_model(str(tmp_path_factory.mktemp("tiny-fill")), "qwen3", seed=4, head_dim=128)
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    count = 2 * sms // 2 + 5  # the tiny model has 2 KV heads
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 800) for _ in range(rng.randint(3, 40))] for _ in range(count)]
+    params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
+    options = {
+        **COMMON, "attention_backend": "flashinfer", "decode_attention_backend": "flashinfer",
+        "chunked_prefill_size": 8192, "max_running_requests": count,
+    }  # fmt: skip
+    outs = {}
+    for name, extra in (("eager", {"disable_cuda_graph": True}), ("graphs", {"cuda_graph_max_bs": count + 3})):
+        with RolloutEngine(path, **options, **extra) as engine:
+            outs[name] = engine.generate(
+                input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2
+            )
+    _assert_same_greedy(outs["graphs"], outs["eager"], GRAPH_TOL, GRAPH_TIE)
+
+
 def test_captured_graph_survives_release_and_resume():
     device = torch.device("cuda", torch.cuda.current_device())
     x = torch.arange(4, dtype=torch.float32, device=device)
