@@ -1,8 +1,6 @@
 """Triton kernels, one kernel and its launcher per file (installed as `rollout_kernels`)."""
 
-import os
+from rollout_kernels.interpreter import interpreting, swap_once_a_launch
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # the kernels run on a CPU
-    from rollout_kernels.interpreter import swap_once_a_launch
-
+if interpreting():  # the kernels run on a CPU
     swap_once_a_launch()

@@ -16,9 +16,15 @@ lacks them nothing is changed and the interpreter runs as shipped.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 _IDLE, _LAUNCHING, _SWAPPED = "idle", "launching", "swapped"
+
+
+def interpreting() -> bool:
+    """Whether Triton runs the kernels under its interpreter (TRITON_INTERPRET set and not 0)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class _Kept:

@@ -9,8 +9,6 @@ Under a CUDA graph, padding rows get no keys and come out as zeros.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from rollout.forward.attention.base import (
@@ -21,6 +19,7 @@ from rollout.forward.attention.base import (
 )
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout_kernels.deterministic_attention import deterministic_attention
+from rollout_kernels.interpreter import interpreting
 from rollout_kernels.kv_store import store_kv
 
 
@@ -29,7 +28,7 @@ class DeterministicAttentionBackend(AttentionBackend):
 
     def __init__(self, shape: AttentionShape) -> None:
         device = torch.device(shape.device)
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"deterministic inference runs its Triton kernels, which need a CUDA device, got "
                 f"{device}; set TRITON_INTERPRET=1 to interpret them on the CPU (slowly)"

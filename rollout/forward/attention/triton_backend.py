@@ -8,8 +8,6 @@ comes from host-side lengths in `prepare`, and no layer waits on the device.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from rollout.forward.attention.base import (
@@ -21,6 +19,7 @@ from rollout.forward.attention.base import (
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout_kernels.decode_attention import choose_num_splits, decode_attention
 from rollout_kernels.extend_attention import extend_attention
+from rollout_kernels.interpreter import interpreting
 from rollout_kernels.kv_store import store_kv
 
 
@@ -29,7 +28,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, shape: AttentionShape) -> None:
         device = torch.device(shape.device)
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"attention_backend='triton' needs a CUDA device, got {device}; use "
                 "attention_backend='torch' there (or TRITON_INTERPRET=1 to interpret the kernels, slowly)"
