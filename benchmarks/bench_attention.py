@@ -84,6 +84,10 @@ def main() -> None:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--spread", action="store_true", help="lengths uniform in [1, 2 x context]")
     parser.add_argument(
+        "--order", choices=("drawn", "longest-first", "shortest-first"), default="drawn",
+        help="the batch's order of --spread lengths: as drawn, or sorted",
+    )  # fmt: skip
+    parser.add_argument(
         "--run", type=int, default=1,
         help="slots per contiguous run: each request's tokens lie in runs of this many adjacent "
         "slots, the runs scattered over the pool (1: every token scattered)",
@@ -114,6 +118,8 @@ def main() -> None:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     b, h, hkv, d, n = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
     lengths = torch.randint(1, 2 * n + 1, (b,)).tolist() if args.spread else [n] * b
+    if args.order != "drawn":
+        lengths.sort(reverse=args.order == "longest-first")
     slots_total = sum(lengths) + 1
     kv_dtype = kv_cache_dtype(args.kv_dtype, dtype)
     k_cache = to_kv_dtype(torch.randn(slots_total, hkv, d, dtype=dtype, device=dev), kv_dtype)
@@ -207,7 +213,7 @@ def main() -> None:
     for name, fn in kernels.items():
         ms = time_ms(lambda fn=fn: fn(q))
         row = {
-            "kernel": name, "batch": b, "context": n, "spread": args.spread, "run": args.run, "heads": h, "kv_heads": hkv,
+            "kernel": name, "batch": b, "context": n, "spread": args.spread, "order": args.order, "run": args.run, "heads": h, "kv_heads": hkv,
             "kv_dtype": str(kv_dtype).removeprefix("torch."),
             "us": round(ms * 1000, 1), "TB/s": round(kv_bytes / ms / 1e9, 3),
         }
