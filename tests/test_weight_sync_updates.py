@@ -273,6 +273,24 @@ def test_relabel_keeps_requests_unless_asked_to_abort(engine):
     aborted = relabel_midway("relabelled-2", abort=True)
     assert aborted["finish_reason"]["type"] == "abort"
     assert engine.get_weight_version() == "relabelled-2"
+    # Every token of the aborted request came before the relabel: its outputs say so.
+    assert aborted["weight_version"] == "relabelled" and aborted["weight_version_changes"] == []
+    assert {span["version"] for span in aborted["weight_versions"]} == {"relabelled"}
+
+
+def test_requests_aborted_by_an_update_carry_the_version_they_ran_under(engine, tiny_qwen3):
+    engine.update_weights_from_disk(tiny_qwen3, weight_version="before")
+    params = {"max_new_tokens": 300, "ignore_eos": True}
+    done = False
+    for chunk in engine.generate(input_ids=PROMPTS[0], sampling_params=params, stream=True):
+        if len(chunk["output_ids"]) >= 5 and not done:
+            engine.update_weights_from_disk(tiny_qwen3, weight_version="after", abort_all_requests=True)
+            done = True
+    meta = chunk["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and 5 <= meta["completion_tokens"] < 300
+    assert meta["weight_version"] == "before" and meta["weight_version_changes"] == []
+    assert [s["version"] for s in meta["weight_versions"]] == ["before"]
+    assert engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["meta_info"]["weight_version"] == "after"
 
 
 def test_prefix_cache_is_never_reused_across_an_update(engine, tiny_qwen3, tiny_qwen3_perturbed):

@@ -40,6 +40,9 @@ class Req:
     hidden_states: list[list[float]] = field(default_factory=list)
     embedding: list[float] | None = None
     version_changes: list[dict[str, Any]] = field(default_factory=list)
+    # The weight version of a request that finished before a version change and is yet to be
+    # reported: its outputs carry this one, not the label published after its last token.
+    finished_version: str | None = None
     # Does sampling read the tokens generated so far (repetition, frequency or presence
     # penalties)? Then each token must be on the host before the next one is sampled. Read
     # once from the params (they never change): the scheduler asks every step.

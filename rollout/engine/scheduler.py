@@ -278,6 +278,7 @@ class Scheduler:
         something records where the version changed; with new weights, no request attached
         later reuses KV computed before (live requests keep theirs and continue in place)."""
         self.drain()
+        self._pin_unreported_versions()
         for req in self._live():
             if req.output_ids or req.kv_len:
                 change = {"offset": len(req.output_ids), "weight_version": version}
@@ -297,6 +298,7 @@ class Scheduler:
         base model's updates); one holding no KV (queued, retracted) attaches under the new
         namespace. Returns the label."""
         self.drain()
+        self._pin_unreported_versions()
         lora = self._lora()
         previous = lora.version_of(name)
         label = lora.publish(name, version)
@@ -310,9 +312,19 @@ class Scheduler:
                 req.cache_namespace = lora.namespace(name)
         return label
 
+    def _pin_unreported_versions(self) -> None:
+        """Before a version change: requests that finished under the current version (aborted
+        by the call that changes it, or by the step just drained) and are yet to be reported
+        keep that version in their outputs."""
+        for req in self.results.to_report:
+            if req.finished and req.finished_version is None:
+                req.finished_version = self.version_of(req)
+
     def version_of(self, req: Req) -> str:
         """The weight version a request's outputs carry: its LoRA adapter's, else the base
-        model's."""
+        model's (for a finished request, the one it finished under)."""
+        if req.finished_version is not None:
+            return req.finished_version
         name, lora = req.req.lora_name, self.runner.lora
         if name is None or lora is None or not lora.is_loaded(name):
             return self.weight_version
