@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -45,6 +47,47 @@ def test_shutdown_stops_every_subprocess(tiny_qwen3):
     assert still_alive(pids, within_s=10) == []
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate("hello")
+
+
+def test_a_shutdown_ends_the_calls_in_flight_with_an_error(tiny_qwen3):
+    engine = RolloutEngine(tiny_qwen3, device="cpu")
+    long = {"max_new_tokens": 3000, "ignore_eos": True}
+    results: dict[str, BaseException | None] = {}
+
+    def call(name: str, fn) -> None:
+        try:
+            fn()
+            results[name] = None
+        except BaseException as e:  # noqa: BLE001 - what the caller gets is what is tested
+            results[name] = e
+
+    calls = {
+        "generate": lambda: engine.generate(input_ids=[5, 6, 7], sampling_params=long),
+        "stream": lambda: list(engine.generate(input_ids=[5, 6, 8], sampling_params=long, stream=True)),
+        "async_generate": lambda: asyncio.run(
+            engine.async_generate(input_ids=[5, 6, 9], sampling_params=long)
+        ),
+    }
+    threads = [threading.Thread(target=call, args=item) for item in calls.items()]
+    for t in threads:
+        t.start()
+    assert _wait(lambda: engine.get_server_info()["num_running"] == 3, 30)
+    engine.shutdown()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads), "a call in flight never returned"
+    for name in calls:
+        assert isinstance(results[name], EngineDeadError), (name, results[name])
+        assert "shut down" in str(results[name])
+
+
+def _wait(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def test_dead_scheduler_raises_instead_of_hanging(tiny_qwen3):

@@ -47,6 +47,8 @@ from rollout.weight_sync.calls import (
 logger = logging.getLogger(__name__)
 
 WATCHDOG_S = 1.0
+# At shutdown: how long the requests in flight get to end with the error before the loop stops.
+WAKE_TIMEOUT_S = 2.0
 
 
 class EngineDeadError(RuntimeError):
@@ -241,11 +243,15 @@ class TokenizerManager:
         scheduler's traceback) to the log."""
         logger.error("the engine stopped serving: %s\n%s", error, detail)
         self.dead = error
+        self._wake_callers()
+
+    def _wake_callers(self) -> None:
+        """Every request and control call still waiting raises EngineDeadError(self.dead)."""
         for state in self.states.values():
-            state.queue.put_nowait(EngineDeadError(error))
+            state.queue.put_nowait(EngineDeadError(self.dead))
         for fut in self.calls.values():
             if not fut.done():
-                fut.set_exception(EngineDeadError(error))
+                fut.set_exception(EngineDeadError(self.dead))
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -260,6 +266,14 @@ class TokenizerManager:
         self.dead = self.dead or "the engine was shut down"
         if self._loop_task is not None:
             self._loop_task.cancel()
+        # Requests still in flight end with the error instead of waiting for outputs that will
+        # never come; their callers (on other threads too) hear of it before the loop stops.
+        self._wake_callers()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAKE_TIMEOUT_S
+        while self.states and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.005)
         self.send.close(linger=0)
         self.recv.close(linger=0)
         self.ctx.term()
