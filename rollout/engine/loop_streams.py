@@ -36,7 +36,13 @@ def _drain(q: queue.Queue, fut: Future) -> Iterator[dict]:
 async def to_loop(loop: asyncio.AbstractEventLoop, source: Source) -> AsyncIterator[dict]:
     caller = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
-    put = lambda item: caller.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
+
+    def put(item: Any) -> None:
+        try:
+            caller.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: the consumer left, nothing to tell
+            pass
+
     fut = asyncio.run_coroutine_threadsafe(_pump(source, put), loop)
     try:
         while (item := await q.get()) is not _END:
