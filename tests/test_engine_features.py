@@ -214,6 +214,25 @@ def test_abort_request_by_rid(engine):
     _assert_pool_whole(engine)
 
 
+def test_abort_request_by_the_rid_of_an_n_sample_request_aborts_every_sample(engine):
+    params = {"n": 3, "max_new_tokens": 3000, "ignore_eos": True}
+
+    async def run():
+        group = asyncio.ensure_future(engine.async_generate(input_ids=_ids(13, 10), sampling_params=params, rid="grp"))
+        other = asyncio.ensure_future(
+            engine.async_generate(input_ids=_ids(14, 10), sampling_params={**params, "n": 1, "max_new_tokens": 40}, rid="grp-x")
+        )
+        await asyncio.sleep(1.0)
+        engine.abort_request("grp")
+        return await asyncio.wait_for(group, timeout=30), await asyncio.wait_for(other, timeout=60)
+
+    samples, other = asyncio.run(run())
+    assert [s["meta_info"]["id"] for s in samples] == ["grp-0", "grp-1", "grp-2"]
+    assert [s["meta_info"]["finish_reason"]["type"] for s in samples] == ["abort"] * 3
+    assert other["meta_info"]["finish_reason"]["type"] == "length"  # another rid is left alone
+    _assert_pool_whole(engine)
+
+
 def test_small_kv_pool_retracts_and_still_matches(tiny_qwen2):
     prompts = [_ids(200 + i, 40 + 7 * i) for i in range(8)]
     params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}

@@ -52,6 +52,9 @@ class TokenizedRequest:
     session_params: SessionParams | None = None
     # The LoRA adapter the request runs on, by name (None: the base model).
     lora_name: str | None = None
+    # A sample of an n > 1 request: the rid the caller gave it (each sample's is rid-i), which
+    # aborts every sample.
+    group_rid: str | None = None
 
 
 @dataclass(frozen=True)

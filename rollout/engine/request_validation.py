@@ -186,7 +186,8 @@ def _samples(
     template: TokenizedRequest, limits: RequestLimits, ids: list[int], params: SamplingParams,
     rid: str | None,
 ) -> list[TokenizedRequest]:  # fmt: skip
-    """The n samples of one prompt: seeds seed, seed + 1, ... and rids rid-0, rid-1, ..."""
+    """The n samples of one prompt: seeds seed, seed + 1, ... and rids rid-0, rid-1, ... (each
+    sample keeps rid as its group_rid)."""
     budget = limits.new_token_budget(len(ids), params.max_new_tokens)
     capped = budget if budget < params.max_new_tokens else None
     if params.n == 1:
@@ -199,6 +200,7 @@ def _samples(
         replace(
             template,
             rid=None if rid is None else f"{rid}-{i}",
+            group_rid=rid,
             input_ids=list(ids),
             params=replace(params, n=1, seed=None if params.seed is None else params.seed + i),
             max_new_tokens_capped=capped,

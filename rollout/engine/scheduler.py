@@ -138,7 +138,8 @@ class Scheduler:
     def abort(self, msg: AbortRequest) -> None:
         self.drain()
         for req in self._live():
-            if msg.abort_all or req.rid == msg.rid or _in_session(req, msg.session_id):
+            by_rid = msg.rid is not None and msg.rid in (req.rid, req.req.group_rid)
+            if msg.abort_all or by_rid or _in_session(req, msg.session_id):
                 self.results.finish(req, {"type": "abort", "message": "aborted by request"})
         self._drop_finished()
         if msg.session_id is not None:  # close_session: its turns are over, its KV unpinned
