@@ -113,7 +113,11 @@ def test_version_publish_and_pause_continue(admin):
     # Every output names the version: one that no JSON answer can hold is refused.
     lone_surrogate = httpx.post(f"{admin.base_url}/update_weight_version", content=b'{"new_version": "v\\ud800"}',
                                 headers={"Authorization": "Bearer admin", "content-type": "application/json"})  # fmt: skip
-    assert lone_surrogate.status_code == 400 and "must be valid Unicode" in lone_surrogate.text
+    assert lone_surrogate.status_code == 400 and "is not valid Unicode" in lone_surrogate.text
+    # ... and so is one that would break the lines of a log or a terminal.
+    newline = httpx.post(f"{admin.base_url}/update_weight_version", json={"new_version": "v\nw"},
+                         headers={"Authorization": "Bearer admin"})  # fmt: skip
+    assert newline.status_code == 400 and "control characters" in newline.text
     assert admin.generate("v", GREEDY)["meta_info"]["weight_version"] == "published"
     assert admin.pause_generation(mode="retract")["success"]
     with pytest.raises(ValueError, match="mode"):

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rollout.control import ControlCall, nonempty_str, settle
-from rollout.engine.request_limits import check_label
 from rollout.errors import InvalidRequest
+from rollout.text_checks import check_label
 
 
 @dataclass(frozen=True)

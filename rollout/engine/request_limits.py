@@ -6,13 +6,13 @@ Each check raises ValueError naming the bound (the option that sets it) and the 
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from rollout.config import RequestOptions
 from rollout.errors import InvalidRequest
+from rollout.text_checks import check_unicode, utf8_size
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class RequestLimits:
             if size > limit:
                 self._too_long(what, size, exact=isinstance(value, str) and text.isascii())
             if not text.isascii():  # O(1) for CPython's compact ASCII strings
-                size += _utf8_size(text, what) - len(text)
+                size += utf8_size(text, what) - len(text)
         if size > limit:
             self._too_long(what, size, exact=True)
 
@@ -89,36 +89,6 @@ class RequestLimits:
                 f"more than the limit of {self.options.max_logprob_entries} (option "
                 "max_logprob_entries): ask for fewer samples, tokens or entries per token"
             )
-
-
-def check_unicode(text: str, what: str) -> None:
-    """Python strings can hold lone surrogates (JSON's "\\ud800" without its pair), which no
-    tokenizer and no UTF-8 response can carry."""
-    if not text.isascii():
-        _utf8_size(text, what)
-
-
-def check_label(text: str, what: str) -> None:
-    """A name the engine lists, logs and answers with (an adapter's, a session's): valid
-    Unicode without control characters (newlines, NUL, terminal escapes)."""
-    check_unicode(text, what)
-    at = next((i for i, c in enumerate(text) if unicodedata.category(c) == "Cc"), None)
-    if at is not None:
-        raise InvalidRequest(
-            f"{what} must not contain control characters, got U+{ord(text[at]):04X} at "
-            f"position {at} of {text!r:.200}"
-        )
-
-
-def _utf8_size(text: str, what: str) -> int:
-    try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(
-            f"{what} is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at position "
-            f"{e.start} (a high surrogate \\ud800-\\udbff must be followed by a low one "
-            "\\udc00-\\udfff)"
-        ) from None
 
 
 def check_unicode_in(value: Any, what: str) -> None:

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 
 from rollout.control import is_int, nonempty_str
 from rollout.engine.messages import TokenizedRequest
-from rollout.engine.request_limits import check_label
 from rollout.engine.request_validation import validate_prompt_length
 from rollout.errors import InvalidRequest
+from rollout.text_checks import check_label
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollout.errors import InvalidRequest
+from rollout.text_checks import check_label
 
 INITIAL = "default"
 MAX_LEN = 256
@@ -25,11 +26,7 @@ def check_version(value: Any, what: str = "weight_version") -> str | None:
         raise InvalidRequest(
             f"{what} must be a non-empty string of at most {MAX_LEN} characters, got {value!r}"
         )
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): no output could name it
-            raise InvalidRequest(f"{what} must be valid Unicode, got {value!r}") from None
+    check_label(value, what)  # every output carries it: no lone surrogates, no control chars
     return value
 
 
