@@ -132,6 +132,29 @@ def test_a_non_streamed_client_that_leaves_aborts_its_request(server):
     assert "InvalidStateError" not in text and "Traceback" not in text, text
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/generate", {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 8}}),
+        ("/generate", {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 8, "n": 2}}),
+        ("/v1/completions", {"prompt": [5, 6, 7], "stream": True, "max_tokens": 8, "n": 2}),
+    ],
+    ids=["generate", "generate-n2", "completions-n2"],
+)
+def test_a_streamed_client_that_leaves_before_its_first_token_aborts_its_request(server, path, body):
+    url, _ = server
+    assert httpx.post(f"{url}/pause_generation", json={"mode": "in_place"}, headers=ADMIN).status_code == 200
+    try:
+        if path.startswith("/v1"):
+            body = {**body, "model": httpx.get(f"{url}/v1/models", headers=USER).json()["data"][0]["id"]}
+        with pytest.raises(httpx.ReadTimeout):  # paused: no first token comes
+            httpx.post(f"{url}/{path.lstrip('/')}", json=body, headers=USER, timeout=1.0)
+        info = _idle(url, timeout=5)
+        assert info["num_waiting"] == 0 and info["num_running"] == 0, info  # aborted while queued
+    finally:
+        httpx.post(f"{url}/continue_generation", json={}, headers=ADMIN)
+
+
 def test_a_chunked_body_over_the_limit_is_413(server):
     url, _ = server
 

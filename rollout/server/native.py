@@ -118,7 +118,7 @@ async def generate(body: GenerateBody, request: Request) -> Any:
     # A batch or n > 1 streams every sample, each event with its index (SGLang's shape).
     opened = open_fanout(engine, call) if is_fanout(call) else engine.async_generate(call)
     stream = owners.stream(opened, call.rid, role)
-    first, rest = await first_item(stream)
+    first, rest = await until_disconnect(request, first_item(stream))
     if call.log_metrics:
         metrics.ttft.observe(time.monotonic() - start)
 

@@ -173,7 +173,7 @@ async def _open_streams(
                     lora_path=lora,
                 )
             )
-    return await first_outputs(streams)
+    return await until_disconnect(request, first_outputs(streams))
 
 
 def _stream(

@@ -76,7 +76,16 @@ async def open_fanout(engine: Any, call: GenerateRequest) -> AsyncIterator[dict]
 async def first_outputs(streams: list[AsyncIterator[dict]]) -> list[AsyncIterator[dict]]:
     """Waits for every stream's first output; if any failed, closes them all and raises the
     first failure. Returns the streams, each from its first output on."""
-    firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+    waits = [asyncio.ensure_future(s.__anext__()) for s in streams]
+    try:
+        firsts = await asyncio.gather(*waits, return_exceptions=True)
+    except asyncio.CancelledError:  # the client left before the first outputs: abort them all
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+        raise
     failed = [f for f in firsts if isinstance(f, BaseException)]
     if failed:
         for s in streams:
