@@ -4,6 +4,8 @@ official `openai` package), metrics, models, and RolloutClient's parity with Rol
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import httpx
 import openai
@@ -73,6 +75,29 @@ def test_native_stream_joins_to_the_full_text(client, server):
     ) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data:")]
     assert lines[-1] == "data: [DONE]"
+
+
+def test_a_stream_read_slowly_gets_its_updates_merged_and_ends_complete(server, client):
+    params = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
+    body = {"input_ids": [5, 6, 7], "sampling_params": params, "stream": True,
+            "return_logprob": True, "top_logprobs_num": 8}  # fmt: skip
+    want = client.generate(input_ids=[5, 6, 7], sampling_params=params, return_logprob=True, top_logprobs_num=8)
+    with httpx.stream("POST", f"{server}/generate", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        events = [next(line for line in lines if line.startswith("data:"))]
+        time.sleep(3)  # a slow reader: the updates made meanwhile come as fewer, larger events
+        events += [line for line in lines if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]"
+    outs = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert len(outs) < 200, len(outs)  # one event an update would be 401
+    for out in outs:  # each event is whole: its entries cover its tokens so far
+        meta = out["meta_info"]
+        assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == len(out["output_ids"])
+    last, full = outs[-1]["meta_info"], want["meta_info"]
+    assert outs[-1]["output_ids"] == want["output_ids"]
+    assert [e[1] for e in last["output_token_logprobs"]] == want["output_ids"]
+    got_lp, want_lp = [e[0] for e in last["output_token_logprobs"]], [e[0] for e in full["output_token_logprobs"]]
+    assert got_lp == pytest.approx(want_lp, abs=1e-4)
 
 
 def test_async_client_equals_sync(client):

@@ -16,16 +16,19 @@ _DONE = object()
 async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
     """(i, item) from every stream as they come, all streams running at once; the first error
     of any is raised, and closing the iterator early (or an error) cancels the others."""
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a stream is read only as fast as the consumer takes its items, so that a slow
+    # consumer gets each stream's later updates merged (TokenizerManager.generate).
+    queue: asyncio.Queue = asyncio.Queue(maxsize=max(len(streams), 1))
 
     async def pump(i: int, stream: AsyncIterator[Any]) -> None:
         try:
             async for item in stream:
-                queue.put_nowait((i, item))
+                await queue.put((i, item))
+            await queue.put((i, _DONE))
+        except asyncio.CancelledError:  # the consumer left: nobody takes from the queue
+            raise
         except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
-            queue.put_nowait((i, e))
-        finally:
-            queue.put_nowait((i, _DONE))
+            await queue.put((i, e))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:

@@ -189,6 +189,10 @@ class LogprobColumns:
         for f in fields(self):
             getattr(self, f.name).extend(getattr(later, f.name))
 
+    def tail(self, starts: dict[str, int]) -> LogprobColumns:
+        """The positions of each column from starts[its name] (0 if absent) on."""
+        return LogprobColumns(**{f.name: getattr(self, f.name)[starts.get(f.name, 0) :] for f in fields(self)})
+
     def entries(self, text_of: Callable[[int], str] | None = None) -> dict[str, list]:
         """The columns as the caller gets them: each entry (logprob, id, text), text None
         unless `text_of` gives it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rollout.engine.messages import ReqOutput, TokenizedRequest
+from rollout.engine.messages import LogprobColumns, ReqOutput, TokenizedRequest
 
 
 class TokenText:
@@ -28,17 +28,41 @@ class TokenText:
 LOOP_PART_ENTRIES = 16_384
 
 
+class LogprobEntries:
+    """One request's logprob entries as the caller gets them, each made once: an output makes
+    only the positions new since the one before (a stream's outputs repeat every entry so far),
+    in parts of LOOP_PART_ENTRIES with the event loop running between them."""
+
+    def __init__(self, text_of: TokenText | None) -> None:
+        self.text_of = text_of
+        self.columns: dict[str, list] = {}
+
+    async def update(self, logprobs: LogprobColumns) -> dict[str, list]:
+        """The entries of every position of `logprobs` (which only ever grows), as new lists:
+        each output dict is its caller's to keep."""
+        made = {name: len(column) for name, column in self.columns.items()}
+        for new in logprobs.tail(made).entries_in_parts(self.text_of, LOOP_PART_ENTRIES):
+            if new is None:
+                await asyncio.sleep(0)
+        for name, entries in new.items():
+            self.columns.setdefault(name, []).extend(entries)
+        return {name: list(column) for name, column in self.columns.items()}
+
+
 async def build_output_on_loop(
-    total: ReqOutput, req: TokenizedRequest, latency: float, text_of: TokenText | None = None
+    total: ReqOutput,
+    req: TokenizedRequest,
+    latency: float,
+    text_of: TokenText | None = None,
+    entries: LogprobEntries | None = None,
 ) -> dict[str, Any]:
-    """`build_output`, for a caller on the event loop: the logprob entries are made in parts
-    of LOOP_PART_ENTRIES, the loop running between them."""
+    """`build_output`, for a caller on the event loop: the logprob entries are made by
+    `entries` (one per request, kept across its outputs; None: a new one)."""
     logprobs = None
     if req.return_logprob and total.logprobs is not None:
-        texts = text_of if req.return_text_in_logprobs else None
-        for logprobs in total.logprobs.entries_in_parts(texts, LOOP_PART_ENTRIES):
-            if logprobs is None:
-                await asyncio.sleep(0)
+        if entries is None:
+            entries = LogprobEntries(text_of if req.return_text_in_logprobs else None)
+        logprobs = await entries.update(total.logprobs)
     return build_output(total, req, latency, text_of, logprobs)
 
 

@@ -31,7 +31,7 @@ from rollout.engine.messages import (
     is_control,
     public_error,
 )
-from rollout.engine.output_builder import TokenText, build_output_on_loop
+from rollout.engine.output_builder import LogprobEntries, TokenText, build_output_on_loop
 from rollout.engine.processes import Addresses
 from rollout.engine.request_validation import validate_for_model
 from rollout.engine.sampling_params import check_logit_bias
@@ -129,6 +129,7 @@ class TokenizerManager:
             treq = self.sessions.begin_turn(treq, self.info["context_length"])
         state = self.states[rid] = ReqState()
         total: ReqOutput | None = None  # every output so far, extended into the first
+        entries = LogprobEntries(self.text_of if treq.return_text_in_logprobs else None)
         finished = False
         try:
             await self.send.send_pyobj(treq)
@@ -148,9 +149,12 @@ class TokenizerManager:
                 else:
                     total.extend(item)
                 finished = item.finish_reason is not None
-                if finished or inp.stream:
+                # A stream whose consumer fell behind gets the updates queued meanwhile as one:
+                # each output repeats everything so far, so one per update would cost the
+                # square of the tokens.
+                if finished or (inp.stream and state.queue.empty()):
                     latency = time.monotonic() - state.created
-                    yield await build_output_on_loop(total, treq, latency, self.text_of)
+                    yield await build_output_on_loop(total, treq, latency, self.text_of, entries)
         finally:
             self.states.pop(rid, None)
             if treq.session_params is not None:
