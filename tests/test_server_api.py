@@ -263,6 +263,10 @@ def test_metrics_count_requests_and_tokens(server, client):
         ({"text": "hi", "token_ids_logprob": [10**9], "return_logprob": True}, "token_ids_logprob"),
         ({"text": 5}, "text"),
         ({"text": "hi", "unknown_field": 1}, "unknown_field"),
+        # Not converted: the Python API refuses these too.
+        ({"text": "hi", "stream": "yes"}, "stream"),
+        ({"text": "hi", "return_logprob": "yes"}, "return_logprob"),
+        ({"text": "hi", "return_logprob": True, "logprob_start_len": "0"}, "logprob_start_len"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_problem(server, body, fragment):

@@ -51,7 +51,9 @@ def _generate_body() -> type[BaseModel]:
     for f in dataclasses.fields(GenerateRequest):
         kind = _UNCHECKED.get(f.name, hints[f.name])
         body[WIRE_NAMES.get(f.name, f.name)] = (kind, f.default)
-    return create_model("GenerateBody", __config__=ConfigDict(extra="forbid"), **body)
+    # Strict: "yes" is no bool and "0" no int here, as in the Python API (GenerateRequest).
+    config = ConfigDict(extra="forbid", strict=True)
+    return create_model("GenerateBody", __config__=config, **body)
 
 
 GenerateBody = _generate_body()
