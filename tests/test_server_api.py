@@ -283,10 +283,11 @@ def test_bad_input_is_a_400_naming_the_problem(server, body, fragment):
         ("/v1/chat/completions", {"max_completion_tokens": 10**7}, "max_completion_tokens must be <="),
         ("/v1/chat/completions", {"max_tokens": 2, "min_tokens": 5}, "min_tokens must be <= max_tokens"),
         ("/v1/responses", {"input": "hi", "max_output_tokens": 10**7}, "max_output_tokens must be <="),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "content is required in a user message"),
     ],
 )  # fmt: skip
 def test_openai_refusals_name_the_fields_the_client_sent(server, path, body, fragment):
-    if path == "/v1/chat/completions":
+    if path == "/v1/chat/completions" and "messages" not in body:
         body = {"messages": [{"role": "user", "content": "hi"}], **body}
     for stream in (False, True):
         resp = httpx.post(f"{server}{path}", json={"model": "tiny", "stream": stream, **body})

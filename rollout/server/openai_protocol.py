@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, model_validator
 
 from rollout.engine.grammar_openai import response_format_grammar
 from rollout.errors import InvalidRequest
@@ -139,6 +139,13 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as they were returned
     tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _content_where_required(self) -> ChatMessage:
+        # OpenAI's rule: only an assistant's message (one that made tool calls) may omit it.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required in a {self.role} message")
+        return self
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
