@@ -50,20 +50,14 @@ class LogprobEntries:
 
 
 async def build_output_on_loop(
-    total: ReqOutput,
-    req: TokenizedRequest,
-    latency: float,
-    text_of: TokenText | None = None,
-    entries: LogprobEntries | None = None,
+    total: ReqOutput, req: TokenizedRequest, latency: float, entries: LogprobEntries
 ) -> dict[str, Any]:
     """`build_output`, for a caller on the event loop: the logprob entries are made by
-    `entries` (one per request, kept across its outputs; None: a new one)."""
+    `entries`, the request's own, kept across its outputs."""
     logprobs = None
     if req.return_logprob and total.logprobs is not None:
-        if entries is None:
-            entries = LogprobEntries(text_of if req.return_text_in_logprobs else None)
         logprobs = await entries.update(total.logprobs)
-    return build_output(total, req, latency, text_of, logprobs)
+    return build_output(total, req, latency, entries.text_of, logprobs)
 
 
 def build_output(

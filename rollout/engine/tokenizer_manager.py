@@ -154,7 +154,7 @@ class TokenizerManager:
                 # square of the tokens.
                 if finished or (inp.stream and state.queue.empty()):
                     latency = time.monotonic() - state.created
-                    yield await build_output_on_loop(total, treq, latency, self.text_of, entries)
+                    yield await build_output_on_loop(total, treq, latency, entries)
         finally:
             self.states.pop(rid, None)
             if treq.session_params is not None:

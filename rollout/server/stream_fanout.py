@@ -79,18 +79,16 @@ async def first_outputs(streams: list[AsyncIterator[dict]]) -> list[AsyncIterato
     waits = [asyncio.ensure_future(s.__anext__()) for s in streams]
     try:
         firsts = await asyncio.gather(*waits, return_exceptions=True)
-    except asyncio.CancelledError:  # the client left before the first outputs: abort them all
+        failed = [f for f in firsts if isinstance(f, BaseException)]
+        if failed:
+            raise failed[0]
+    except BaseException:  # a stream failed, or the client left first: all of them end (abort)
         for w in waits:
             w.cancel()
         await asyncio.gather(*waits, return_exceptions=True)
         for s in streams:
             await s.aclose()
         raise
-    failed = [f for f in firsts if isinstance(f, BaseException)]
-    if failed:
-        for s in streams:
-            await s.aclose()
-        raise failed[0]
     return [_chain(first, s) for first, s in zip(firsts, streams)]
 
 
