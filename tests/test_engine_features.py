@@ -136,6 +136,7 @@ def test_hidden_states(engine):
         ({"prompt": "hi", "input_ids": [1]}, "exactly one"),
         ({"prompt": 5}, "prompt must be"),
         ({"prompt": "hi", "logprob_start_len": 50, "return_logprob": True}, "logprob_start_len"),
+        ({"prompt": "hi", "logprob_start_len": -2, "return_logprob": True}, "logprob_start_len must be -1"),
     ],
 )
 def test_bad_input_raises_clear_error_and_engine_keeps_serving(engine, kwargs, message):

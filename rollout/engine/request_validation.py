@@ -62,7 +62,12 @@ def build_inputs(
             f"prompt, or none), got {request.rid!r:.200} for {len(prompts)} prompts"
         )
     logprob_start_len = request.logprob_start_len
-    if logprob_start_len is not None and logprob_start_len < 0:
+    if logprob_start_len is not None and logprob_start_len < -1:
+        raise InvalidRequest(
+            f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position >= 0, "
+            f"got {logprob_start_len}"
+        )
+    if logprob_start_len == -1:
         logprob_start_len = None  # SGLang's -1: no prompt logprobs
     top = request.top_logprobs_num or 0
     if top < 0:
