@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -103,6 +104,37 @@ def test_streamed_deltas_join_to_the_full_text(engine):
     assert joined == whole["text"]
     assert chunks[-1]["output_ids"] == whole["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] is not None
+
+
+def _check_merged_stream(outs: list[dict], want: dict) -> None:
+    assert len(outs) < 200, len(outs)  # one output an update would be 401
+    for out in outs:  # each output is whole: its entries cover its tokens so far
+        meta = out["meta_info"]
+        assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == len(out["output_ids"])
+    assert outs[-1]["output_ids"] == want["output_ids"]
+    got, full = outs[-1]["meta_info"]["output_token_logprobs"], want["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in got] == want["output_ids"]
+    assert [e[0] for e in got] == pytest.approx([e[0] for e in full], abs=1e-4)
+
+
+def test_a_stream_read_slowly_gets_its_updates_merged(engine):
+    kw = {"input_ids": _ids(40, 5), "return_logprob": True, "top_logprobs_num": 4,
+          "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}  # fmt: skip
+    want = engine.generate(**kw)
+    stream = engine.generate(**kw, stream=True)
+    outs = [next(stream)]
+    time.sleep(2)  # a slow reader: the updates made meanwhile come as fewer, larger outputs
+    _check_merged_stream(outs + list(stream), want)
+
+    async def read_slowly() -> list[dict]:
+        outs = []
+        async for out in await engine.async_generate(**kw, stream=True):
+            if not outs:
+                await asyncio.sleep(2)
+            outs.append(out)
+        return outs
+
+    _check_merged_stream(asyncio.run(read_slowly()), want)
 
 
 def test_min_new_tokens_and_max_new_tokens_zero(engine):

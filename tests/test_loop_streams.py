@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import threading
+import time
 
 import pytest
 
@@ -68,3 +69,30 @@ def test_the_sources_items_and_error_reach_the_callers_loop(engine_loop):
         return got
 
     assert asyncio.run(consume()) == [{"i": 0}, {"i": 1}]
+
+
+@pytest.mark.parametrize("to", ["thread", "loop"])
+def test_the_source_is_read_only_as_fast_as_the_consumer_reads(engine_loop, to):
+    made: list[int] = []
+
+    async def source():
+        for i in range(100):
+            made.append(i)
+            yield {"i": i}
+
+    async def read_slowly() -> list[dict]:
+        stream = loop_streams.to_loop(engine_loop, source)
+        got = [await anext(stream)]
+        await asyncio.sleep(0.2)
+        assert len(made) == 1  # nothing read ahead while the consumer was busy
+        return got + [item async for item in stream]
+
+    if to == "thread":
+        stream = loop_streams.to_thread(engine_loop, source)
+        got = [next(stream)]
+        time.sleep(0.2)
+        assert len(made) == 1
+        got += list(stream)
+    else:
+        got = asyncio.run(read_slowly())
+    assert [item["i"] for item in got] == list(range(100))
