@@ -24,7 +24,9 @@ Source = Callable[[], AsyncIterator[dict]]
 class _Pump:
     """Runs on the engine's loop: puts the source's next output once the consumer asked."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, source: Source, put: Callable[[Any], Any]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, source: Source, put: Callable[[Any], Any]
+    ) -> None:
         self.loop, self.source, self.put = loop, source, put
         self.asked = asyncio.Event()  # bound to the engine's loop at its first wait there
 
