@@ -229,6 +229,24 @@ def test_while_paused_updates_wait_for_continue_or_are_discarded(engine, adapter
     assert_serves(out, tiny_qwen3, adapters["s"])
 
 
+def test_an_update_refused_while_paused_drops_every_staged_one(engine, adapters, tiny_qwen3):
+    engine.update_weights_from_disk(adapters["a"], weight_version="x-0", lora_name="a")
+    before = generate(engine)
+    good = tensors_of(adapters["s"])
+    name = next(iter(good))
+    bad_adapter = {**good, name: torch.zeros(3)}
+    bad_base = {"model.norm.weight": torch.zeros(5)}
+    for refused, kw in ((bad_adapter, {"lora_name": "a"}), (bad_base, {})):
+        engine.pause_generation(mode="in_place")
+        assert engine.update_weights_from_tensor(good, weight_version="x-1", lora_name="a")["staged"]
+        with pytest.raises(ValueError, match="every update staged since the pause was rolled back"):
+            engine.update_weights_from_tensor(refused, **kw)
+        assert engine.get_server_info()["lora_update_staged"] == 0
+        engine.continue_generation()
+        assert versions(engine)["a"] == "x-0"
+        assert generate(engine)["output_ids"] == before["output_ids"]
+
+
 def test_weight_sender_pushes_only_the_adapter_of_a_peft_model(
     engine, adapters, tiny_qwen3, tmp_path
 ):

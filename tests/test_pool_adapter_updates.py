@@ -401,3 +401,28 @@ def test_the_pool_reports_an_adapters_label_once_when_serving_replicas_agree():
     merged = merge_info([info("x"), info("x"), info("old")], states, routing, {})
     assert merged["lora_weight_versions"] == {"a": "v1", "b": "x"}  # the stale one is not asked
     assert "lora_weight_versions_differ" not in merged
+
+
+def test_server_info_answers_while_no_replica_does():
+    """`rollout router` while every worker is down (restarting): the pool's own state, each
+    replica's, and no sizes, instead of a 500."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from rollout.pool.server_info import merge_info
+    from rollout.server.app import create_app
+    from rollout.server.options import ServerOptions
+
+    states = [{"state": "restarting"}, {"state": "restarting"}]
+    pool = SimpleNamespace(
+        options=SimpleNamespace(model=SimpleNamespace(model_path="/m")),
+        get_server_info=lambda: merge_info([None, None], states, [{}, {}], {"weight_version": "v"}),
+    )
+    with TestClient(create_app(pool, ServerOptions())) as http:
+        for path in ("/get_server_info", "/server_info"):
+            answer = http.get(path)
+            assert answer.status_code == 200, answer.text
+            info = answer.json()
+            assert info["weight_version"] == "v" and info["max_total_num_tokens"] is None
+            assert [r["state"] for r in info["replicas"]] == ["restarting"] * 2

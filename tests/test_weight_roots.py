@@ -195,3 +195,22 @@ def test_files_that_are_not_regular_are_refused(sharded):
     _renamed(sharded, "b.safetensors", "fifo.safetensors")
     with pytest.raises(ValueError, match="not a regular file"):
         disk_source.read_specs(str(sharded), roots=[str(sharded)])
+
+
+def test_a_path_outside_the_roots_while_paused_drops_every_staged_update(admin, dirs, tiny_qwen3, tensors):
+    root, outside = dirs
+    good = _write(root / "staged-good", tiny_qwen3, {**tensors, NAME: tensors[NAME] * 2})
+    version, weights = admin.get_weight_version(), admin.get_weights_by_name(NAME)
+    reference = admin.generate("roots", GREEDY)["output_ids"]
+    admin.pause_generation(mode="in_place")
+    try:
+        assert admin.update_weights_from_disk(str(good), weight_version="staged")["staged"]
+        refused = "model_path .* is not under an allowed root.*every update staged since the pause was rolled back"
+        with pytest.raises(PermissionError, match=refused):
+            admin.update_weights_from_disk(str(outside / "ckpt"))
+        assert admin.get_server_info()["weight_update_staged"] == 0
+    finally:
+        admin.continue_generation()
+    assert admin.get_weight_version() == version
+    assert admin.get_weights_by_name(NAME) == weights
+    assert admin.generate("roots", GREEDY)["output_ids"] == reference

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from rollout.server.weight_roots import path_under_roots
+from rollout.weight_sync.weight_roots import path_under_roots
 
 if TYPE_CHECKING:
     from rollout.engine.engine import RolloutEngine

@@ -189,7 +189,8 @@ def get_server_info(request: Request) -> dict:
     info = _engine(request).get_server_info()
     # The server-args names SGLang's clients read (slime checks them before an update).
     dp_size = len(info.get("replicas") or [None])  # a pool's replicas (rollout serve --dp-size)
-    sglang = {"dp_size": dp_size, "max_total_num_tokens": info["max_total_tokens"], "version": __version__}
+    # A pool none of whose replicas answered (all restarting) knows no sizes: None, not a 500.
+    sglang = {"dp_size": dp_size, "max_total_num_tokens": info.get("max_total_tokens"), "version": __version__}
     return {**info, **sglang, "server": public}
 
 

@@ -21,7 +21,6 @@ from pydantic import BaseModel, ConfigDict, create_model
 
 from rollout.control import ControlCall
 from rollout.errors import InvalidRequest
-from rollout.server.weight_roots import path_under_roots
 from rollout.weight_sync import calls
 from rollout.weight_sync.tensor_handles import TensorHandles
 
@@ -120,12 +119,12 @@ def update_weights_from_tensor(body: TensorBody, request: Request) -> dict:
 @router.post("/update_weights_from_disk")
 def update_weights_from_disk(body: DiskBody, request: Request) -> dict:
     roots = request.app.state.options.allowed_weight_roots
-    path = path_under_roots(body.model_path, roots, "model_path")
-    # The roots go with the call: the scheduler checks every file (config, index, each shard)
-    # where it opens it, so neither a symlink nor an index naming files elsewhere gets out.
+    # The roots go with the call: the scheduler checks the path, and every file (config, index,
+    # each shard) where it opens it, so neither a symlink nor an index naming files elsewhere
+    # gets out; and a path refused there drops what a paused engine has staged, as any refusal.
     return _dict(
         _engine(request).update_weights_from_disk(
-            path, body.load_format, body.weight_version, allowed_roots=list(roots),
+            body.model_path, body.load_format, body.weight_version, allowed_roots=list(roots),
             flush_cache=body.flush_cache, abort_all_requests=body.abort_all_requests,
             lora_name=body.lora_name,
         )

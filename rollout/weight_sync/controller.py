@@ -12,8 +12,8 @@ An update with `lora_name` changes a loaded LoRA adapter instead of the base mod
 (adapter_update.py): the same checks before any write, its own version label, staged alike.
 
 While generation is paused, updates are staged into one open transaction: they become visible
-together at `continue_generation` (or `update_weight_version`), and a failure rolls all of them
-back. Weights whose values were lost (released without a CPU copy, or a failed update that had
+together at `continue_generation` (or `update_weight_version`), and an update refused or
+failed meanwhile, of the base weights or of an adapter, drops all of them. Weights whose values were lost (released without a CPU copy, or a failed update that had
 no backup) are "missing": generation waits until they are pushed again.
 
 With tensor parallelism this controller runs on rank 0, and every weight and memory call acts
@@ -56,6 +56,7 @@ from rollout.weight_sync.rank_sync import OtherRanks, OtherRankWeights
 from rollout.weight_sync.transaction import HostBuffers, WeightTransaction
 from rollout.weight_sync.update_groups import UpdateGroups
 from rollout.weight_sync.versions import VersionLabels
+from rollout.weight_sync.weight_roots import path_under_roots
 
 logger = logging.getLogger(__name__)
 
@@ -135,24 +136,37 @@ class WeightSyncController:
             return waiting
         self._abort_if_asked(call)
         if call.lora_name is not None:
-            return self.adapters.update(call, PAUSED in self.engine.held_by())
+            return self._adapter_update(call)
         with self._all_or_nothing(call):
             return self._update(self.local.distributed(call), call.weight_version)
 
     def update_weights_from_tensor(self, call: UpdateWeightsFromTensor) -> Result:
         self._abort_if_asked(call)
         if call.lora_name is not None:
-            return self.adapters.update(call, PAUSED in self.engine.held_by())
+            return self._adapter_update(call)
         with self._all_or_nothing(call), self.local.tensor(call) as update:
             return self._update(update, call.weight_version)
 
     def update_weights_from_disk(self, call: UpdateWeightsFromDisk) -> Result:
-        """Every file opened must resolve under one of call.allowed_roots (None: anywhere)."""
+        """model_path and every file opened under it must resolve under one of
+        call.allowed_roots (None: anywhere)."""
         self._abort_if_asked(call)
         if call.lora_name is not None:
-            return self.adapters.update(call, PAUSED in self.engine.held_by())
+            return self._adapter_update(call, _check_path)
         with self._all_or_nothing(call):
+            _check_path(call)
             return self._update(self.local.disk(call), call.weight_version)
+
+    def _adapter_update(self, call: Any, check: Callable[[Any], None] = lambda _: None) -> Result:
+        """An update of a loaded adapter; one refused or failed while paused drops every update
+        staged since the pause, as a base-weight one does."""
+        try:
+            check(call)
+            return self.adapters.update(call, PAUSED in self.engine.held_by())
+        except Exception as e:
+            if self.txn is None and not self.adapters.staged:
+                raise
+            raise _failure(e, self._roll_back(self.txn, e)) from e
 
     def _abort_if_asked(self, call: Any) -> None:
         """SGLang's abort_all_requests: the requests in flight end (as aborted) before the
@@ -172,7 +186,7 @@ class WeightSyncController:
         try:
             yield
         except Exception as e:
-            if self.txn is None and (self.others is None or not self.others.open):
+            if self.txn is None and not self.adapters.staged and (self.others is None or not self.others.open):
                 raise  # nothing staged, or `_update` already rolled it back
             raise _failure(e, self._roll_back(self.txn, e)) from e
         finally:
@@ -217,7 +231,10 @@ class WeightSyncController:
         return {"message": f"loaded {len(names)} weights", "weight_version": label}
 
     def _roll_back(self, txn: WeightTransaction | None, error: Exception) -> str:
-        staged = self.txn is not None
+        """Rolls back `txn` and drops every staged adapter update: what the failure left."""
+        staged = self.txn is not None or bool(self.adapters.staged)
+        if self.adapters.staged:
+            self.adapters.discard()
         self.txn, self.txn_version = None, None
         lost = []
         if txn is not None:
@@ -314,6 +331,11 @@ class WeightSyncController:
             self.missing = set(self.expected)
             self.engine.hold(MISSING)
         return out
+
+
+def _check_path(call: UpdateWeightsFromDisk) -> None:
+    if call.allowed_roots is not None:
+        path_under_roots(call.model_path, call.allowed_roots, "model_path")
 
 
 def _failure(error: Exception, message: str) -> Exception:

@@ -1,6 +1,6 @@
-"""Paths the server reads weights from (checkpoints, LoRA adapters): only under the
---allowed-weight-roots. The path is checked here, and the roots travel with the call so the
-scheduler checks every file where it opens it (rollout.models.loader.open_checked)."""
+"""Paths weights are read from (checkpoints, LoRA adapters) under allowed roots (the server's
+--allowed-weight-roots): the path given is checked here, where the call runs, and every file
+opened under it again (rollout.models.loader.open_checked)."""
 
 from __future__ import annotations
 
