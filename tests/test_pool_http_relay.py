@@ -167,6 +167,7 @@ def test_which_bodies_are_relayed():
     assert relayed({"text": "a prompt", "stream": True, "rid": "r"})
     assert relayed({"input_ids": [[1, 2]]})  # a batch of one: its answer is a list of one
     assert relayed({"input_ids": [[1, 2]], "rid": ["r"]})
+    assert relayed({"input_ids": [7]}) and relayed({"input_ids": [7], "stream": True})  # one token
     assert not relayed({"input_ids": [1, 2], "rid": 7})  # the app refuses it
     assert not relayed({"input_ids": [[1, 2], [3]]})  # a batch: split over the workers
     assert not relayed({"text": ["a", "b"]})

@@ -140,8 +140,8 @@ def _nth(params: Any, i: int) -> Any:
 
 def _single_key(prompt: Any, input_ids: Any) -> list[int] | str | None:
     prompt = prompt if prompt is not None else input_ids
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one (not a prompt of one token)
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and all(type(t) is int for t in prompt[:64]):
