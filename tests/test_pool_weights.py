@@ -32,18 +32,23 @@ class FakeReplica(Replica):
         self.index, self.name = index, f"replica {index}"
         self.version, self.weights, self.staged = "default", "base", None
         self.paused, self.starts = False, 0
+        self.released: set[str] = set()
         self.refuse: set[str] = set()  # methods that raise InvalidRequest
+        self.hang: set[str] = set()  # methods that never answer (a stopped process)
         self.cannot_discard = self.fail_apply = False
         self.calls: list[str] = []
 
     async def start(self) -> dict:
         self.starts += 1
         self.version, self.weights, self.staged, self.paused = "default", "base", None, False
+        self.released, self.hang = set(), set()
         self.cannot_discard = self.fail_apply = False
         return {"weight_version": "default", "dtype": "float32", "tp_size": 1}
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self.calls.append(method)
+        if method in self.hang:
+            await asyncio.Event().wait()
         if method in self.refuse:
             self.staged = None  # a refused update takes the staged ones down with it
             raise InvalidRequest(f"{method} refused")
@@ -83,6 +88,18 @@ class FakeReplica(Replica):
         self, new_version: str, abort_all_requests: bool = False
     ) -> dict:
         self.version = new_version
+        return {"success": True}
+
+    async def release_memory_occupation(self, tags: tuple[str, ...]) -> dict:
+        if self.released & set(tags):
+            raise InvalidRequest(f"already released: {sorted(self.released & set(tags))}")
+        self.released |= set(tags)
+        return {"success": True}
+
+    async def resume_memory_occupation(self, tags: tuple[str, ...]) -> dict:
+        if not set(tags) <= self.released:
+            raise InvalidRequest("nothing to resume")
+        self.released -= set(tags)
         return {"success": True}
 
     async def alive(self) -> bool:
@@ -167,6 +184,45 @@ def test_a_replica_failing_at_apply_time_is_restarted_on_the_new_weights():
         await _settle(sup)
         assert replicas[1].starts == 2
         assert [(r.weights, r.version) for r in replicas] == [("/ckpt/new", "new")] * 2
+
+    asyncio.run(run())
+
+
+def test_a_replica_restarted_while_the_pool_is_released_is_released_too():
+    async def run() -> None:
+        replicas, sup, weights = _pool(2)
+        await sup.start_all()
+        await weights.pause("in_place")
+        await weights.memory("release_memory_occupation", ("kv_cache", "weights"))
+        sup.mark_dead(1, "killed")
+        await _settle(sup)
+        assert replicas[1].starts == 2
+        assert [(r.released, r.paused) for r in replicas] == [({"kv_cache", "weights"}, True)] * 2
+        await weights.memory("resume_memory_occupation", ("kv_cache", "weights"))
+        await weights.resume_generation()
+        sup.mark_dead(0, "killed")
+        await _settle(sup)
+        assert replicas[0].starts == 2
+        assert [(r.released, r.paused) for r in replicas] == [(set(), False)] * 2
+
+    asyncio.run(run())
+
+
+def test_a_replica_hung_in_an_update_holds_it_only_until_found_dead():
+    async def run() -> None:
+        replicas, sup, weights = _pool(2)
+        await sup.start_all()
+        replicas[1].hang.add("update_weights_from_disk")
+        update = asyncio.ensure_future(_disk(weights, "/ckpt/new", "new"))
+        await asyncio.sleep(0.1)
+        assert not update.done() and replicas[0].paused  # waiting on replica 1
+        sup.mark_dead(1, "it failed a health check")  # what the health check does
+        with pytest.raises(RuntimeError, match="replica 1 went down during update_weights_from_disk"):
+            await asyncio.wait_for(update, 5)
+        assert (replicas[0].weights, replicas[0].version, replicas[0].paused) == ("base", "default", False)
+        await _settle(sup)
+        assert replicas[1].starts == 2 and sup.serving() == [0, 1]
+        assert [r.version for r in replicas] == ["default"] * 2
 
     asyncio.run(run())
 

@@ -1,7 +1,7 @@
 """PoolCalls: each control call of the engine's API, as the pool runs it.
 
-Weight, version and pause calls go to PoolWeights (every replica, all or nothing); memory
-calls and any other call fan out to every replica, undone where one fails; reads (a weight's
+Weight, version, pause and memory calls go to PoolWeights (every replica, all or nothing); any
+other call fans out to every replica, undone where one fails; reads (a weight's
 values, the version, server info) are answered by one replica or by the pool itself.
 """
 
@@ -45,6 +45,8 @@ class PoolCalls:
             "update_weight_version": lambda: weights.relabel(**args),
             "pause_generation": lambda: weights.pause(**args),
             "continue_generation": weights.resume_generation,
+            "release_memory_occupation": lambda: weights.memory(method, **args),
+            "resume_memory_occupation": lambda: weights.memory(method, **args),
             "get_weights_by_name": lambda: self._weights_by_name(**args),
             "get_weight_version": self._version,
             "get_server_info": self.server_info,
@@ -55,7 +57,7 @@ class PoolCalls:
         }
         if method in handlers:
             return await handlers[method]()
-        async with weights.lock:  # memory calls and any other: every replica, undone on failure
+        async with weights.lock:  # any other call: every replica, undone on failure
             results = await weights.fan_out(method, **args)
         return {**results[0], "replicas": len(results)} if results else {"success": True}
 
@@ -63,7 +65,7 @@ class PoolCalls:
         sup = self.sup
         up = sup.up()
         answers = await asyncio.gather(
-            *(sup.replicas[i].call("get_server_info") for i in up), return_exceptions=True
+            *(sup.call(i, "get_server_info") for i in up), return_exceptions=True
         )
         infos: list[dict | None] = [None] * len(sup.replicas)
         for i, answer in zip(up, answers):

@@ -14,9 +14,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from rollout.engine.tokenizer_manager import EngineDeadError
-from rollout.pool.replica import Replica
+from rollout.pool.replica import Replica, ReplicaDead
 from rollout.pool.router import Router
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ class Supervisor:
         self.incarnation = [0] * len(replicas)
         self.restarts = [0] * len(replicas)
         self.restore: Restore | None = None  # set by the pool: pushes the current weights
+        # Set when replica i is marked dead: the calls `call` made to that incarnation give up.
+        self._down = [asyncio.Event() for _ in replicas]
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
@@ -99,9 +102,30 @@ class Supervisor:
         )
         self.reason[i] = reason
         self._set(i, DEAD)
+        self._down[i].set()
+        self._down[i] = asyncio.Event()  # for the calls of its next incarnation
         self.router.forget(i)
         self.router.count(i, "deaths")
         self._spawn(self._recover(i))
+
+    async def call(self, i: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Replica i's `method`, given up with ReplicaDead if the replica is marked dead
+        meanwhile (a health check found it hung): a pool-wide call waits for a hung replica
+        no longer than the check that finds it."""
+        down = self._down[i]
+        call = asyncio.ensure_future(self.replicas[i].call(method, *args, **kwargs))
+        watch = asyncio.ensure_future(down.wait())
+        try:
+            done, _ = await asyncio.wait((call, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not call.done():
+                call.cancel()
+        if call not in done:
+            raise ReplicaDead(
+                f"{self.replicas[i].name} went down during {method}: {self.reason[i]}"
+            )
+        return call.result()
 
     async def _recover(self, i: int) -> None:
         replica = self.replicas[i]

@@ -56,6 +56,7 @@ class PoolWeights:
         self.staged_version: str | None = None  # staged while the pool is paused
         self.pending: list[tuple] = []  # the updates staged meanwhile, recorded at continue
         self.groups: dict[str, Group] = {}
+        self.released: set[str] = set()  # the memory tags every replica has released
 
     # ---- updates ------------------------------------------------------------------------------
     async def update(
@@ -144,9 +145,8 @@ class PoolWeights:
         own_pause = self.paused is None
         if own_pause:
             await self.fan_out("pause_generation", mode="in_place", among=targets)
-        replicas = [self.sup.replicas[i] for i in targets]
         results = await asyncio.gather(
-            *(r.call(method, *args, **kwargs) for r in replicas), return_exceptions=True
+            *(self.sup.call(i, method, *args, **kwargs) for i in targets), return_exceptions=True
         )
         failed = {i: e for i, e in zip(targets, results) if isinstance(e, BaseException)}
         if not failed:
@@ -155,7 +155,7 @@ class PoolWeights:
         if not own_pause:  # a refused adapter update leaves what was staged before it
             kept += [i for i, e in failed.items() if not isinstance(e, ReplicaDead)]
         dropped = await asyncio.gather(
-            *(self.sup.replicas[i].call("discard_staged_weights") for i in kept),
+            *(self.sup.call(i, "discard_staged_weights") for i in kept),
             return_exceptions=True,
         )
         for i, d in zip(kept, dropped):
@@ -193,7 +193,7 @@ class PoolWeights:
 
     async def _continue(self, targets: list[int]) -> list:
         return await asyncio.gather(
-            *(self.sup.replicas[i].call("continue_generation") for i in targets),
+            *(self.sup.call(i, "continue_generation") for i in targets),
             return_exceptions=True,
         )
 
@@ -217,8 +217,8 @@ class PoolWeights:
                 )
             offsets = [rank_offset + sum(ranks[:i]) for i in targets]
             results = await asyncio.gather(
-                *(self.sup.replicas[i].call(
-                    "init_weights_update_group", master_address, master_port, offsets[i],
+                *(self.sup.call(
+                    i, "init_weights_update_group", master_address, master_port, offsets[i],
                     world_size, group_name, backend, timeout_s,
                 ) for i in targets),
                 return_exceptions=True,
@@ -240,7 +240,7 @@ class PoolWeights:
 
     async def _leave(self, group_name: str, targets: list[int]) -> list[BaseException]:
         results = await asyncio.gather(
-            *(self.sup.replicas[i].call("destroy_weights_update_group", group_name)
+            *(self.sup.call(i, "destroy_weights_update_group", group_name)
               for i in targets),
             return_exceptions=True,
         )  # fmt: skip
@@ -273,7 +273,7 @@ class PoolWeights:
         the first failure is raised."""
         targets = self.sup.up() if among is None else among
         results = await asyncio.gather(
-            *(self.sup.replicas[i].call(method, *args, **kwargs) for i in targets),
+            *(self.sup.call(i, method, *args, **kwargs) for i in targets),
             return_exceptions=True,
         )
         failed = {i: e for i, e in zip(targets, results) if isinstance(e, BaseException)}
@@ -284,7 +284,7 @@ class PoolWeights:
         if undo is not None and done:
             back, back_args, back_kwargs = undo
             await asyncio.gather(
-                *(self.sup.replicas[i].call(back, *back_args, **back_kwargs) for i in done),
+                *(self.sup.call(i, back, *back_args, **back_kwargs) for i in done),
                 return_exceptions=True,
             )
             if after_undo is not None:
@@ -323,13 +323,28 @@ class PoolWeights:
             self._applied(new_version)  # the replicas committed what they staged, under it
             return {"success": True, "weight_version": new_version}
 
+    async def memory(self, method: str, tags: tuple[str, ...]) -> dict:
+        """release_memory_occupation or resume_memory_occupation of `tags` on every replica
+        (undone on all if one fails); the pool keeps which tags are released, for a replica
+        that restarts meanwhile."""
+        async with self.lock:
+            results = await self.fan_out(method, tags=tags)
+            if method == "release_memory_occupation":
+                self.released.update(tags)
+            else:
+                self.released.difference_update(tags)
+        return {**results[0], "replicas": len(results)} if results else {"success": True}
+
     async def restore(self, i: int) -> None:
         """Gives restarted replica i the pool's current weights and version, its adapters with
-        their current values, then its pause."""
+        their current values, then its pause and the memory the others have released."""
         async with self.lock:
-            await self._bring_up(self.sup.replicas[i])
+            replica = self.sup.replicas[i]
+            await self._bring_up(replica)
             if self.paused is not None:
-                await self.sup.replicas[i].call("pause_generation", mode=self.paused)
+                await replica.call("pause_generation", mode=self.paused)
+            if self.released:
+                await replica.call("release_memory_occupation", tags=sorted(self.released))
 
     async def _bring_up(self, replica: Replica) -> None:
         """StaleWeights (before anything is pushed) when the pool lacks a copy of what it
