@@ -150,3 +150,28 @@ def test_tools_and_tool_calls_in_the_history_reach_the_template(tokenizer):
     text = tok.decode(ids)
     assert "get_weather" in text.split("[user]")[0]  # the tools, before the messages
     assert "[assistant]Paris" in text and "[tool]sunny" in text  # arguments as an object
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"tools": [{"type": "function", "function": "abc"}]}, r"tools\[0\].function must be an object"),
+        ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, r"tools\[0\].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, r"tools\[0\].function.name"),
+        ({"tools": [{"type": "code_interpreter"}]}, r"tools\[0\].type must be 'function'"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "parameters"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "f"}}, "tool_choice must be"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice must be"),
+        ({"history_call": {"id": "a", "type": "function", "function": "x"}}, r"tool_calls\[0\].function"),
+        ({"history_call": {"id": "a", "type": "function", "function": ["x"]}}, r"tool_calls\[0\].function"),
+        ({"history_call": {"function": {"name": "f", "arguments": 5}}}, r"tool_calls\[0\].function.arguments"),
+    ],
+)
+def test_malformed_tools_and_tool_calls_are_a_400_naming_them(tokenizer, extra, field):
+    messages = [{"role": "user", "content": "hi"}]
+    if "history_call" in extra:
+        call = extra.pop("history_call")
+        messages += [{"role": "assistant", "tool_calls": [call]}, {"role": "user", "content": "k"}]
+    client = _client(tokenizer, tool_call_parser="qwen25")
+    with pytest.raises(openai.BadRequestError, match=field):
+        client.chat.completions.create(model="m", messages=messages, **extra)

@@ -6,7 +6,15 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SkipValidation,
+    field_validator,
+    model_validator,
+)  # fmt: skip
 
 from rollout.engine.grammar_openai import response_format_grammar
 from rollout.errors import InvalidRequest
@@ -147,6 +155,23 @@ class ChatMessage(BaseModel):
             raise ValueError(f"content is required in a {self.role} message")
         return self
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_shape(cls, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, call in enumerate(calls or ()):
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(
+                    f"tool_calls[{i}].function must be an object with a string name, got "
+                    f"{function!r:.100}"
+                )
+            if not isinstance(function.get("arguments", ""), (str, dict)):
+                raise ValueError(
+                    f"tool_calls[{i}].function.arguments must be a JSON string, got "
+                    f"{function['arguments']!r:.100}"
+                )
+        return calls
+
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
@@ -182,6 +207,46 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None  # {"type": "function", "function": {name, ...}}
     tool_choice: str | dict[str, Any] | None = None  # auto, none, required, or a named function
     parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_shape(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(tools or ()):
+            if tool.get("type", "function") != "function":
+                raise ValueError(
+                    f"tools[{i}].type must be 'function', got {tool.get('type')!r:.100}"
+                )
+            function = tool.get("function")
+            if not isinstance(function, dict):
+                raise ValueError(f"tools[{i}].function must be an object, got {function!r:.100}")
+            name = function.get("name")
+            if not isinstance(name, str) or not name:
+                raise ValueError(
+                    f"tools[{i}].function.name must be a non-empty string, got {name!r:.100}"
+                )
+            parameters = function.get("parameters")
+            if parameters is not None and not isinstance(parameters, (dict, bool)):
+                raise ValueError(
+                    f"tools[{i}].function.parameters must be a JSON schema object, got "
+                    f"{parameters!r:.100}"
+                )
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_shape(cls, choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            if (
+                choice.get("type") != "function"
+                or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)
+            ):
+                raise ValueError(
+                    'tool_choice must be "auto", "none", "required" or {"type": "function", '
+                    f'"function": {{"name": ...}}}}, got {choice!r:.100}'
+                )
+        return choice
 
     def max_tokens_name(self) -> str:
         return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
