@@ -175,3 +175,38 @@ def test_malformed_tools_and_tool_calls_are_a_400_naming_them(tokenizer, extra, 
     client = _client(tokenizer, tool_call_parser="qwen25")
     with pytest.raises(openai.BadRequestError, match=field):
         client.chat.completions.create(model="m", messages=messages, **extra)
+
+
+TAG = {"type": "structural_tag", "format": {"type": "regex", "pattern": "(yes|no)"}}
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+
+
+@pytest.mark.parametrize(
+    "extra, refused",
+    [
+        ({"structural_tag": TAG}, None),
+        ({"structural_tag": json.dumps(TAG)}, None),
+        ({"json_schema": "{not json"}, "json_schema must be valid JSON"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
+         "response_format is not a valid JSON schema"),
+        ({"regex": "(unclosed"}, "regex is not a valid regular expression"),
+        ({"ebnf": "root ::= foo"}, "ebnf is not a valid EBNF grammar"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
+          "tool_choice": "required"}, "tools: a function's parameters are not a usable JSON schema"),
+    ],
+)  # fmt: skip
+def test_grammars_after_reasoning_are_checked_as_the_client_named_them(tokenizer, extra, refused):
+    """With a --reasoning-parser the grammar applies after the reasoning (wrapped in a
+    structural tag, checked here before the engine sees it); a refusal still names the field
+    the client sent (without one the engine checks it: test_grammar_server.py)."""
+    client = _client(tokenizer, tool_call_parser="qwen25", reasoning_parser="qwen3")
+    extra = dict(extra)
+    kw = {k: extra.pop(k) for k in ("tools", "tool_choice", "response_format") if k in extra}
+    create = lambda: client.chat.completions.create(  # noqa: E731
+        model="m", messages=[{"role": "user", "content": "hi"}], extra_body=extra or None, **kw
+    )
+    if refused is None:
+        assert create().choices[0].message is not None
+    else:
+        with pytest.raises(openai.BadRequestError, match=refused):
+            create()

@@ -147,13 +147,17 @@ def test_regex_on_generate_and_completions(server, client):
     ("extra", "match"),
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-         "json_schema"),
+         "response_format is not a valid JSON schema"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
          "tool_choice"),
         ({"regex": "[a-"}, "regex"),
+        ({"json_schema": "{not json"}, "json_schema must be valid JSON"),
+        ({"ebnf": "root ::= foo"}, "ebnf is not a valid EBNF grammar"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}],
+          "tool_choice": "required"}, "tools: a function's parameters are not a usable JSON schema"),
     ],
 )  # fmt: skip
 def test_bad_grammar_requests_are_400(client, extra, match):

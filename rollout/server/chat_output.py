@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout.engine.grammar_openai import after_reasoning, forced_tool_names, tool_call_grammar
+from rollout.engine.grammar_spec import grammar_fields
 from rollout.errors import InvalidRequest
 from rollout.parsers import TOOL_CALL_PARSERS, chat_output_parser
 from rollout.parsers.chat_output import ChatOutputParser
@@ -40,6 +41,13 @@ def force_tool_calls(body: ChatCompletionRequest, options: ServerOptions) -> Cha
     grammar = tool_call_grammar(
         options.tool_call_parser, body.tools or [], names, body.parallel_tool_calls, named
     )
+    try:
+        grammar_fields({"structural_tag": grammar})
+    except InvalidRequest as e:  # a function's parameters that are no JSON schema xgrammar takes
+        detail = str(e).removeprefix("structural_tag is not a valid structural tag: ")
+        raise InvalidRequest(
+            f"tools: a function's parameters are not a usable JSON schema: {detail}"
+        ) from None
     return body.model_copy(update={"structural_tag": grammar})
 
 
@@ -51,6 +59,12 @@ def grammar_after_reasoning(
     fields = body.grammar_params()
     if options.reasoning_parser is None or not fields:
         return body
+    try:  # the grammar as the client gave it, checked before it is wrapped
+        spec = grammar_fields(fields)
+    except InvalidRequest as e:
+        raise InvalidRequest(body.as_named(str(e))) from None
+    assert spec is not None
+    fields = {spec.kind: spec.text}
     fmt = REASONING_FORMATS[options.reasoning_parser]
     in_reasoning = ReasoningParser(fmt).opens_in_prompt(prompt_tail)
     if in_reasoning is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -102,9 +101,7 @@ def named_as(body: SamplingFields) -> Iterator[None]:
     try:
         yield
     except RequestError as e:
-        message = str(e)
-        for engine_name, api_name in body.api_names().items():
-            message = re.sub(rf"\b{engine_name}\b", api_name, message)
+        message = body.as_named(str(e))
         if message == str(e):
             raise
         raise type(e)(message) from None

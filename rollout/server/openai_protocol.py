@@ -4,6 +4,7 @@ accept (top_k, min_p, repetition_penalty, ignore_eos, ...). Unknown fields are a
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -69,6 +70,12 @@ class SamplingFields(BaseModel):
         """Has the engine's refusals call its field `engine_name` `api_name` (api_names)."""
         self._renamed[engine_name] = api_name
 
+    def as_named(self, message: str) -> str:
+        """An engine refusal's `message` with its fields named as this request named them."""
+        for engine_name, api_name in self.api_names().items():
+            message = re.sub(rf"\b{engine_name}\b", api_name, message)
+        return message
+
     def api_names(self) -> dict[str, str]:
         """The engine's sampling field names (its errors use them) -> this request's names."""
         names = {"max_new_tokens": self.max_tokens_name(), "min_new_tokens": "min_tokens"}
@@ -114,6 +121,8 @@ class SamplingFields(BaseModel):
         }
         given = {k: v for k, v in given.items() if v is not None}
         from_format = response_format_grammar(self.response_format)
+        if from_format:  # the engine's refusals of the schema then name the client's field
+            self.rename("json_schema", "response_format")
         if from_format and given:
             kind = (self.response_format or {}).get("type")
             raise InvalidRequest(
