@@ -289,3 +289,35 @@ def test_a_dead_engine_says_why_and_shuts_down_without_the_graceful_wait(tiny_qw
         assert engine.dead_reason == "the engine is shut down"
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_an_openai_stream_with_a_rid_is_aborted_by_it_every_choice(server, path, n):
+    url, _ = server
+    model = httpx.get(f"{url}/v1/models", headers=USER).json()["data"][0]["id"]
+    rid = f"oai-{path.rsplit('/', 1)[-1]}-{n}"
+    body = {"model": model, "max_tokens": 3000, "stream": True, "n": n, "rid": rid, "ignore_eos": True}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": "count on"}]
+    else:
+        body["prompt"] = "count on"
+    started, reasons = threading.Event(), {}
+
+    def run() -> None:
+        with httpx.stream("POST", f"{url}{path}", json=body, headers=USER, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                    for choice in json.loads(line[6:])["choices"]:
+                        if choice.get("finish_reason"):
+                            reasons[choice["index"]] = choice["finish_reason"]
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(30)
+    assert _abort(url, USER, rid).status_code == 200
+    thread.join(60)
+    assert not thread.is_alive()
+    assert sorted(reasons) == list(range(n)) and set(reasons.values()) == {"abort"}, reasons
+    assert _idle(url)["num_running"] == 0

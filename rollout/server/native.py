@@ -238,8 +238,11 @@ def abort_request(body: AbortRequestBody, request: Request) -> JSON:
     call = AbortRequest(body.rid, body.abort_all)  # 400 unless it names what to abort
     if call.abort_all and role != "admin":
         return error(403, "abort_all needs the admin API key", "permission_error")
-    if call.abort_all or request.app.state.owners.may_abort(call.rid, role):
+    owners = request.app.state.owners
+    if call.abort_all or owners.may_abort(call.rid, role):
         _engine(request).abort_request(rid=call.rid, abort_all=call.abort_all)
+        for member in [] if call.abort_all else owners.members(call.rid):
+            _engine(request).abort_request(rid=member)  # an OpenAI stream's choices
     return JSON({"success": True})
 
 

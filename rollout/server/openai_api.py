@@ -140,7 +140,11 @@ async def _run(
 
 
 async def _open_streams(
-    request: Request, body: SamplingFields, prompts: list[list[int]], max_new: int, top: int | None,
+    request: Request,
+    body: SamplingFields,
+    prompts: list[list[int]],
+    max_new: int,
+    top: int | None,
     logprob_start_len: int | None = None,
 ) -> list[AsyncIterator[dict]]:
     """One engine stream per prompt x sample (seeds as the non-streamed call would give them);
@@ -155,21 +159,31 @@ async def _open_streams(
             return_logprob=top is not None, top_logprobs_num=top or 0, rid=body.rid,
             logprob_start_len=logprob_start_len, lora_path=lora,
         )  # fmt: skip
+    # Each choice streams as a request of its own: with a rid, "rid-0", "rid-1", ... (the
+    # engine's names for n samples), claimed as the group "rid" that abort_request ends.
+    count = len(prompts) * body.n
+    rids = (
+        [body.rid]
+        if count == 1
+        else [None if body.rid is None else f"{body.rid}-{k}" for k in range(count)]
+    )
+    group = body.rid if count > 1 else None
+    owners, role = request.app.state.owners, request.state.role
     streams = []
-    for ids in prompts:
-        for j in range(body.n):
-            p = {**params, "n": 1, "seed": None if body.seed is None else body.seed + j}
-            streams.append(
-                await engine.async_generate(
-                    input_ids=ids,
-                    sampling_params=p,
-                    return_logprob=top is not None,
-                    top_logprobs_num=top or 0,
-                    logprob_start_len=logprob_start_len,
-                    stream=True,
-                    lora_path=lora,
-                )
-            )
+    for k, ids in enumerate(ids for ids in prompts for _ in range(body.n)):
+        j = k % body.n
+        p = {**params, "n": 1, "seed": None if body.seed is None else body.seed + j}
+        opened = engine.async_generate(
+            input_ids=ids,
+            sampling_params=p,
+            return_logprob=top is not None,
+            top_logprobs_num=top or 0,
+            logprob_start_len=logprob_start_len,
+            stream=True,
+            lora_path=lora,
+            rid=rids[k],
+        )
+        streams.append(owners.stream(opened, rids[k], role, group))
     return await until_disconnect(request, first_outputs(streams))
 
 
