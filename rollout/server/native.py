@@ -190,7 +190,11 @@ def get_server_info(request: Request) -> dict:
     # The server-args names SGLang's clients read (slime checks them before an update).
     dp_size = len(info.get("replicas") or [None])  # a pool's replicas (rollout serve --dp-size)
     # A pool none of whose replicas answered (all restarting) knows no sizes: None, not a 500.
-    sglang = {"dp_size": dp_size, "max_total_num_tokens": info.get("max_total_tokens"), "version": __version__}
+    sglang = {
+        "dp_size": dp_size,
+        "max_total_num_tokens": info.get("max_total_tokens"),
+        "version": __version__,
+    }
     return {**info, **sglang, "server": public}
 
 
