@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 from rollout.engine.output_builder import TokenText
+from rollout.server.token_bytes import token_bytes
+
+# The most bytes of a character that can wait for the next token's (UTF-8's longest is four).
+_UNFINISHED_BYTES = 3
 
 
 def finish_reason(meta: dict) -> str | None:
@@ -27,15 +32,22 @@ def _legacy_logprobs(
     entries: list, tops: list | None, text_of: TokenText, start: int, offset: int
 ) -> dict:
     """The legacy completions logprobs object of entries[start:] ((logprob, id, text) each)
-    and their top-logprob lists, text offsets counted from `offset`."""
+    and their top-logprob lists, text offsets counted from `offset`.
+
+    An offset is where the token begins in the text its bytes and those before decode to (as
+    the tokenizer decodes them: invalid bytes as U+FFFD), in characters: a character split over
+    tokens counts once, and each of its tokens begins where it does (`offset` itself stops
+    before a character begun by entries[:start], which a text shows only once it is whole)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     tops = tops or []
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(_bytes_before(entries, text_of, start))  # an unfinished character's, if any
     for i, (lp, tid, _) in enumerate(entries[start:], start):
         text = text_of(tid)
         tokens.append(text)
         token_logprobs.append(lp)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(decoder.decode(token_bytes(text_of, tid)))
         best = tops[i] if i < len(tops) and tops[i] else []
         top.append({text_of(t): v for v, t, _ in best} if best else None)
     return {
@@ -46,20 +58,31 @@ def _legacy_logprobs(
     }
 
 
+def _bytes_before(entries: list, text_of: TokenText, start: int) -> bytes:
+    """The last bytes of entries[:start]: enough to hold an unfinished character's first ones."""
+    tail = b""
+    for i in range(start - 1, -1, -1):
+        if len(tail) >= _UNFINISHED_BYTES:
+            break
+        tail = token_bytes(text_of, entries[i][1]) + tail
+    return tail[-_UNFINISHED_BYTES:]
+
+
 def chat_logprobs(meta: dict, text_of: TokenText, start: int) -> dict:
-    """Chat logprobs ({"content": [...]}) of output tokens [start:]."""
+    """Chat logprobs ({"content": [...]}) of output tokens [start:]. Each token's `bytes` are its
+    own, part of a character's when it holds only that (its `token` text is then U+FFFD): the
+    tokens' bytes joined are the content's UTF-8."""
     content = []
     tops = meta.get("output_top_logprobs") or []
     for i, (lp, tid, _) in enumerate(meta.get("output_token_logprobs", [])[start:], start):
-        text = text_of(tid)
         entries = tops[i] if i < len(tops) and tops[i] else []
         content.append(
             {
-                "token": text,
+                "token": text_of(tid),
                 "logprob": lp,
-                "bytes": list(text.encode()),
+                "bytes": list(token_bytes(text_of, tid)),
                 "top_logprobs": [
-                    {"token": text_of(t), "logprob": v, "bytes": list(text_of(t).encode())}
+                    {"token": text_of(t), "logprob": v, "bytes": list(token_bytes(text_of, t))}
                     for v, t, _ in entries
                 ],
             }
