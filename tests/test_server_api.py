@@ -202,6 +202,21 @@ def test_openai_seeded_sampling_is_reproducible(oai):
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
 
 
+def test_openai_completions_score_the_prompt_with_max_tokens_0_and_echo(oai, engine):
+    """The prompt-scoring pattern vLLM allows: its logprobs, nothing generated."""
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=0)
+    resp = oai.completions.create(**kw, echo=True, logprobs=0)
+    (choice,) = resp.choices
+    assert choice.text == PROMPTS[0] and resp.usage.completion_tokens == 0
+    params = {"max_new_tokens": 0}
+    want = engine.generate(PROMPTS[0], params, return_logprob=True, logprob_start_len=0)
+    want_lp = [lp for lp, _, _ in want["meta_info"]["input_token_logprobs"]]
+    assert choice.logprobs.token_logprobs[0] is None and want_lp[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want_lp[1:], abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens must be >= 1 \(0 only with"):
+        oai.completions.create(**kw)  # no echo: nothing to return
+
+
 def test_openai_unknown_model_is_404(oai):
     with pytest.raises(openai.NotFoundError, match="not served"):
         oai.completions.create(model="gpt-4", prompt="hi", max_tokens=2)

@@ -1,5 +1,7 @@
 """Request bodies of the OpenAI-compatible API, with the extra sampling fields SGLang and vLLM
-accept (top_k, min_p, repetition_penalty, ignore_eos, ...). Unknown fields are an error."""
+accept (top_k, min_p, repetition_penalty, ignore_eos, ...). Unknown fields are an error, and
+types are not converted ("2" is no int, "yes" no bool, 1 no bool), as OpenAI checks them; an
+int is a float (temperature 1)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,12 @@ from pydantic import (
 from rollout.engine.grammar_openai import response_format_grammar
 from rollout.errors import InvalidRequest
 
+# Every model of a body, nested ones too (a model's config is its own): strict as /generate's.
+BODY_CONFIG = ConfigDict(extra="forbid", strict=True)
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY_CONFIG
 
     include_usage: bool = False
 
@@ -30,7 +35,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY_CONFIG
 
     model: str
     n: int = 1
@@ -140,16 +145,27 @@ class CompletionRequest(SamplingFields):
     # completion is generated from the prompt alone).
     suffix: str | None = None
 
+    @model_validator(mode="after")
+    def _max_tokens_in_range(self) -> CompletionRequest:
+        # As vLLM: 0 only with echo, which scores the prompt (its logprobs) without generating.
+        least = 0 if self.echo else 1
+        if self.max_tokens is not None and self.max_tokens < least:
+            raise ValueError(
+                f"max_tokens must be >= {least}{'' if self.echo else ' (0 only with echo)'}, "
+                f"got {self.max_tokens}"
+            )
+        return self
+
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY_CONFIG
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY_CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -216,6 +232,17 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None  # {"type": "function", "function": {name, ...}}
     tool_choice: str | dict[str, Any] | None = None  # auto, none, required, or a named function
     parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _limits_and_logprobs(self) -> ChatCompletionRequest:
+        for name in ("max_tokens", "max_completion_tokens"):  # OpenAI's bound for chat
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        # Refused, not dropped unseen, as vLLM does; 0 asks for nothing, so it may go alone.
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs ({self.top_logprobs}) needs logprobs: true")
+        return self
 
     @field_validator("tools")
     @classmethod
