@@ -10,10 +10,12 @@ import asyncio
 import base64
 import hashlib
 import importlib.resources
+import itertools
 import json
 import os
 import struct
 import sys
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -149,6 +151,20 @@ def test_streamed_events_add_up_to_the_items(tokenizer):
             assert event.arguments == arguments and event.name == "get_weather"
     assert text == "Let me check." and json.loads(arguments) == {"city": "Paris"}
     assert numbers == list(range(len(numbers)))
+
+
+def test_a_streamed_response_has_one_created_at(tokenizer, monkeypatch):
+    """Every event's Response object, and the stored one, however long the stream takes."""
+    ticks = itertools.count(1_700_000_000)
+    monkeypatch.setattr(time, "time", lambda: float(next(ticks)))  # a second passes per look
+    client = _client(_ScriptedEngine(tokenizer))
+    created, rid = {}, None
+    for event in client.responses.create(model="m", input="hi", stream=True):
+        if hasattr(event, "response"):
+            created[event.type], rid = event.response.created_at, event.response.id
+    assert set(created) == {"response.created", "response.in_progress", "response.completed"}
+    created["stored"] = client.responses.retrieve(rid).created_at
+    assert len(set(created.values())) == 1, created
 
 
 TOOL_TEMPLATE = (

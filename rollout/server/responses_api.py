@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from rollout.engine.request_limits import RequestLimits
 from rollout.errors import InvalidRequest
 from rollout.server import harmony_api
 from rollout.server.json_body import OffLoopRoute, describe_validation_errors
@@ -47,14 +48,15 @@ def response_store(request: Request) -> ResponseStore:
 async def create_response(body: ResponsesRequest, request: Request) -> Any:
     if (bad := check_model(request, body.model)) is not None:
         return bad
-    body.check_echoed()
+    engine = request.app.state.engine
+    await engine.run_in_worker(body.check_unicode)  # every string of the input: off the loop
     store = response_store(request)
     items = body.input_items()
     check_items(items)
     conversation = store.conversation(body.previous_response_id) + items
-    if harmony_api.is_harmony_model(request.app.state.engine.tokenizer):
+    if harmony_api.is_harmony_model(engine.tokenizer):
         return await harmony_api.create_response(body, conversation, request)
-    chat = _chat_request(body, conversation)
+    chat = await engine.run_in_worker(_chat_request, body, conversation, engine.limits)
     answer = await chat_completions(chat, request)
     if answer.status_code != 200:
         return answer  # an error, already in the API's shape
@@ -80,11 +82,18 @@ def delete_response(response_id: str, request: Request) -> Any:
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-def _chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
+def _chat_request(
+    body: ResponsesRequest, conversation: list[dict], limits: RequestLimits
+) -> ChatCompletionRequest:
+    """The chat request that serves `body`. What the chat route would refuse naming its own
+    fields (response_format, messages) is refused here naming the Responses API's."""
     tools = body.chat_tools()
+    body.check_text_format()
+    messages = chat_messages(conversation, body.instructions)
+    limits.check_text(messages, "the input (with the instructions and earlier turns)")
     fields: dict[str, Any] = {
         "model": body.model,
-        "messages": chat_messages(conversation, body.instructions),
+        "messages": messages,
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,

@@ -148,7 +148,9 @@ def response_object(
     incomplete_reason: str | None = None,
     created: float | None = None,
 ) -> dict[str, Any]:
-    """The Response object (status in_progress, completed or incomplete)."""
+    """The Response object (status in_progress, completed or incomplete). `created` (a
+    time.time(); now if None) is the response's created_at: a stream passes the same one to
+    each of its objects."""
     return {
         "id": rid,
         "object": "response",

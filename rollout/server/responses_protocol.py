@@ -13,8 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.engine.grammar_spec import grammar_fields
 from rollout.engine.request_limits import check_unicode_in
 from rollout.errors import InvalidRequest, InvalidRequestType
+from rollout.text_checks import check_unicode
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -49,11 +51,12 @@ class ResponsesRequest(BaseModel):
     stop: str | list[str] | None = None
     rid: str | None = None
 
-    def check_echoed(self) -> None:
-        """Raises InvalidRequest naming a field the answer repeats that no JSON can hold (a
-        lone surrogate, JSON's "\\ud800" without its pair)."""
-        for name in ECHOED:
-            check_unicode_in(getattr(self, name), name)
+    def check_unicode(self) -> None:
+        """Raises InvalidRequest naming the first string of the input, or of a field the answer
+        repeats, that no tokenizer and no JSON can hold (a lone surrogate, JSON's "\\ud800"
+        without its pair): `input[2].content[0].text`, `metadata.key`."""
+        for name in ("input", *ECHOED):
+            check_unicode_at(getattr(self, name), name)
 
     def input_items(self) -> list[dict[str, Any]]:
         """The input as a list of items: a string is one user message."""
@@ -74,6 +77,11 @@ class ResponsesRequest(BaseModel):
                 )
             if not isinstance(tool.get("name"), str) or not tool["name"]:
                 raise InvalidRequest(f"tools[{i}] needs a function name")
+            parameters = tool.get("parameters")
+            if parameters is not None and not isinstance(parameters, (dict, bool)):
+                raise InvalidRequest(
+                    f"tools[{i}].parameters must be a JSON schema object, got {parameters!r:.100}"
+                )
             function = {"name": tool["name"]}
             for key in ("description", "parameters", "strict"):
                 if tool.get(key) is not None:
@@ -107,11 +115,44 @@ class ResponsesRequest(BaseModel):
         if fmt.get("type") == "json_object":
             return {"type": "json_object"}
         if fmt.get("type") == "json_schema":
+            if not isinstance(fmt.get("schema"), (dict, bool)):
+                raise InvalidRequest(
+                    "text.format.schema must be a JSON schema object (type json_schema needs "
+                    f"one), got {fmt.get('schema')!r:.100}"
+                )
             schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
             return {"type": "json_schema", "json_schema": schema}
         raise InvalidRequest(
             f"text.format.type must be text, json_object or json_schema, got {fmt.get('type')!r}"
         )
+
+    def check_text_format(self) -> None:
+        """Raises InvalidRequest, naming text.format, for a format the chat route would refuse
+        under its own names (response_format): a schema xgrammar can't constrain output to,
+        or a format alongside a forced tool call. Compiles the schema: run off the event loop."""
+        chat_format = self.response_format()
+        if chat_format is None:
+            return
+        kind = chat_format["type"]
+        if self._forces_call():
+            raise InvalidRequest(
+                f"tool_choice {self.tool_choice!r} can't be combined with text.format {kind!r}: "
+                "a forced tool call's output is the call"
+            )
+        field, schema = "text.format", {"type": "object"}
+        if kind == "json_schema":
+            field, schema = "text.format.schema", chat_format["json_schema"]["schema"]
+        try:
+            grammar_fields({"json_schema": schema})
+        except InvalidRequest as e:  # its messages start with the grammar field's name
+            raise InvalidRequest(field + str(e).removeprefix("json_schema")) from None
+
+    def _forces_call(self) -> bool:
+        """Whether tool_choice forces a call of an offered function (as the chat route does)."""
+        names = [tool.get("name") for tool in self.tools or ()]
+        if self.tool_choice == "required":
+            return bool(names)
+        return isinstance(self.tool_choice, dict) and self.tool_choice.get("name") in names
 
 
 def item_text(content: Any, where: str, field: str = "content") -> str:
@@ -131,6 +172,48 @@ def item_text(content: Any, where: str, field: str = "content") -> str:
             )
         texts.append(part["text"])
     return "".join(texts)
+
+
+def check_unicode_at(value: Any, where: str) -> None:
+    """Raises InvalidRequest naming the path (`where[2].content[0].text`) of the first string
+    in a JSON-like `value`, keys included, that is not valid Unicode."""
+    try:
+        check_unicode_in(value, where)
+        return
+    except InvalidRequest:
+        pass  # there is one: walk again, keeping paths, to name it
+    stack: list[tuple[Any, Any]] = [(value, where)]
+    while stack:  # iterative: JSON can nest deeper than Python recurses
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not _is_unicode(item):
+                check_unicode(item, _path(path))
+        elif isinstance(item, dict):
+            for key in item:
+                if isinstance(key, str) and not _is_unicode(key):
+                    check_unicode(key, f"a key of {_path(path)}")
+            # (parent's path, key): made into text only for the error.
+            stack.extend((v, (path, k)) for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((v, (path, i)) for i, v in reversed(list(enumerate(item))))
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():  # O(1) for CPython's compact ASCII strings
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(path: Any) -> str:
+    parts = []
+    while isinstance(path, tuple):
+        path, key = path
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return path + "".join(reversed(parts))
 
 
 def check_items(items: list[dict[str, Any]]) -> None:

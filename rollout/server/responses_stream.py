@@ -7,6 +7,7 @@ one would be."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,6 +39,8 @@ class EventStream:
     ) -> None:
         self.rid, self.body, self.conversation, self.store = rid, body, conversation, store
         self.sequence = 0
+        # One response, one created_at: in every event's Response object and the stored one.
+        self.created = time.time()
 
     def response(self, parts: AsyncIterator[dict]) -> StreamingResponse:
         return sse_response(self.run(parts))
@@ -45,7 +48,7 @@ class EventStream:
     async def run(self, parts: AsyncIterator[dict]) -> AsyncIterator[str]:
         builder = OutputBuilder()
         usage, reason = None, None
-        start = response_object(self.rid, self.body, [], "in_progress")
+        start = self._response([], "in_progress")
         yield self._send({"type": "response.created", "response": start})
         yield self._send({"type": "response.in_progress", "response": start})
         try:
@@ -65,16 +68,14 @@ class EventStream:
         for event in builder.close():
             yield self._send(event)
         status, incomplete = final_status(reason)
-        final = response_object(
-            self.rid, self.body, builder.items, status, responses_usage(usage), incomplete
-        )
+        final = self._response(builder.items, status, responses_usage(usage), incomplete)
         if self.body.store:
             conversation = self.conversation + stored_items(builder.items)
             self.store.put(stored(final, conversation, self.body.input))
         yield self._send({"type": f"response.{status}", "response": final})
 
     def _failed(self, builder: OutputBuilder, err: dict[str, Any]) -> list[str]:
-        failed = response_object(self.rid, self.body, builder.items, "failed")
+        failed = self._response(builder.items, "failed")
         failed["error"] = {"code": str(err.get("type", "server_error")), "message": err["message"]}
         error_event = {"type": "error", "code": failed["error"]["code"],
                        "message": err["message"], "param": None}  # fmt: skip
@@ -82,6 +83,17 @@ class EventStream:
             self._send(error_event),
             self._send({"type": "response.failed", "response": failed}),
         ]
+
+    def _response(
+        self,
+        items: list[dict[str, Any]],
+        status: str,
+        usage: dict[str, Any] | None = None,
+        incomplete_reason: str | None = None,
+    ) -> dict[str, Any]:
+        return response_object(
+            self.rid, self.body, items, status, usage, incomplete_reason, created=self.created
+        )
 
     def _send(self, event: dict[str, Any]) -> str:
         event = {**event, "sequence_number": self.sequence}
