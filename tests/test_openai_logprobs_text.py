@@ -96,9 +96,10 @@ def test_chat_bytes_are_each_tokens_own_and_join_to_the_content(tokenizer):
 
 
 def test_completion_offsets_count_a_split_character_once(tokenizer):
-    lp = completion_logprobs(_meta(tokenizer, TEXT), TokenText(tokenizer), 0, 0)
+    lp, end = completion_logprobs(_meta(tokenizer, TEXT), TokenText(tokenizer), 0, 0)
     _check_offsets(TEXT, lp["tokens"], lp["text_offset"])
     assert lp["text_offset"][-1] == len(TEXT) - 1  # the emoji's last byte: where the emoji begins
+    assert end == len(TEXT)  # where the next token would begin
 
 
 def test_echo_offsets_run_over_the_prompt_then_the_completion(tokenizer):
@@ -107,7 +108,7 @@ def test_echo_offsets_run_over_the_prompt_then_the_completion(tokenizer):
     meta = {**_meta(tokenizer, MORE), "input_token_logprobs": _entries(prompt_ids, None)}
     echo = tokenizer.decode(prompt_ids)
     lp = join_logprobs(
-        prompt_logprobs(meta, text_of), completion_logprobs(meta, text_of, 0, len(echo))
+        prompt_logprobs(meta, text_of), completion_logprobs(meta, text_of, 0, len(echo))[0]
     )
     _check_offsets(echo + MORE, lp["tokens"], lp["text_offset"])
     assert lp["text_offset"][0] == 0 and lp["text_offset"][len(prompt_ids)] == len(echo)
@@ -119,7 +120,7 @@ def test_offsets_are_where_the_text_shown_before_each_token_ends(tokenizer):
     starting there gives the whole response's offsets."""
     text_of = TokenText(tokenizer)
     meta = _meta(tokenizer, TEXT)
-    whole = completion_logprobs(meta, text_of, 0, 0)["text_offset"]
+    whole = completion_logprobs(meta, text_of, 0, 0)[0]["text_offset"]
     detokenizer, shown = Detokenizer(tokenizer), [0]
     for _, tid, _ in meta["output_token_logprobs"][:-1]:
         out = ReqOutput("r", [tid], None, 0, 0, 0, "v")
@@ -127,7 +128,7 @@ def test_offsets_are_where_the_text_shown_before_each_token_ends(tokenizer):
         shown.append(shown[-1] + len(out.text))
     assert whole == shown
     for cut in range(1, len(whole)):
-        streamed = completion_logprobs(meta, text_of, cut, shown[cut])["text_offset"]
+        streamed = completion_logprobs(meta, text_of, cut, shown[cut])[0]["text_offset"]
         assert whole[:cut] + streamed == whole, cut
 
 
@@ -163,3 +164,20 @@ def test_server_logprobs_of_multibyte_text(server):
         o for c in chunks for o in (c["choices"][0]["logprobs"] or {}).get("text_offset", [])
     ]
     assert offsets[:prompt_len] == lp["text_offset"][:prompt_len]
+
+
+def _streamed_offsets(url: str, body: dict) -> list[int]:
+    streamed = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60)
+    chunks = [json.loads(x[6:]) for x in streamed.text.split("\n\n") if x.startswith("data: {")]
+    return [o for c in chunks for o in (c["choices"][0]["logprobs"] or {}).get("text_offset", [])]
+
+
+def test_a_stream_held_back_by_a_stop_string_has_the_whole_answers_offsets(server):
+    """A stop string holds the text back while its first characters may be matching; the
+    tokens' logprobs go out meanwhile, and the next chunk's offsets go on from theirs."""
+    body = {"model": "tiny", "prompt": "count", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "logprobs": 1, "stop": ["zzzzzz"]}  # fmt: skip
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    whole = r["choices"][0]["logprobs"]["text_offset"]
+    assert len(whole) == 40 and whole == sorted(whole)
+    assert _streamed_offsets(server, body) == whole

@@ -245,7 +245,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 meta = out["meta_info"]
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = completion_logprobs(meta, text_of, 0, len(echo[i // body.n]))
+                    logprobs, _ = completion_logprobs(meta, text_of, 0, len(echo[i // body.n]))
                 if echo_logprobs:
                     logprobs = join_logprobs(prompt_logprobs(meta, text_of), logprobs)
                 choices.append(
@@ -281,7 +281,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             text, st["first"] = echo[i // body.n] + text, False
         logprobs = None
         if body.logprobs is not None:
-            logprobs = completion_logprobs(meta, text_of, st["logprobs"], shift + st["text"])
+            offset = st.get("offset", shift)
+            logprobs, st["offset"] = completion_logprobs(meta, text_of, st["logprobs"], offset)
             st["logprobs"] = len(meta.get("output_token_logprobs", []))
             if first and echo_logprobs:
                 logprobs = join_logprobs(prompt_logprobs(meta, text_of), logprobs)

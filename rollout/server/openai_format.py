@@ -22,17 +22,21 @@ def matched_stop(meta: dict) -> Any:
     return reason.get("matched")
 
 
-def completion_logprobs(meta: dict, text_of: TokenText, start: int, offset0: int) -> dict:
-    """Legacy completions logprobs of output tokens [start:], text offsets counted from offset0."""
+def completion_logprobs(
+    meta: dict, text_of: TokenText, start: int, offset0: int
+) -> tuple[dict, int]:
+    """Legacy completions logprobs of output tokens [start:], text offsets counted from offset0,
+    and the offset after the last of them (where a stream's next tokens begin: not the length
+    of the text shown so far, which a stop string may hold back)."""
     entries = meta.get("output_token_logprobs", [])
     return _legacy_logprobs(entries, meta.get("output_top_logprobs"), text_of, start, offset0)
 
 
 def _legacy_logprobs(
     entries: list, tops: list | None, text_of: TokenText, start: int, offset: int
-) -> dict:
+) -> tuple[dict, int]:
     """The legacy completions logprobs object of entries[start:] ((logprob, id, text) each)
-    and their top-logprob lists, text offsets counted from `offset`.
+    and their top-logprob lists, text offsets counted from `offset`; and the offset after them.
 
     An offset is where the token begins in the text its bytes and those before decode to (as
     the tokenizer decodes them: invalid bytes as U+FFFD), in characters: a character split over
@@ -50,12 +54,13 @@ def _legacy_logprobs(
         offset += len(decoder.decode(token_bytes(text_of, tid)))
         best = tops[i] if i < len(tops) and tops[i] else []
         top.append({text_of(t): v for v, t, _ in best} if best else None)
-    return {
+    logprobs = {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top,
         "text_offset": offsets,
     }
+    return logprobs, offset
 
 
 def _bytes_before(entries: list, text_of: TokenText, start: int) -> bytes:
@@ -108,7 +113,7 @@ def prompt_logprobs(meta: dict, text_of: TokenText) -> dict:
     """Legacy completions logprobs of the prompt's tokens (echo with logprobs), offsets from 0:
     the first token has no logprob (nothing comes before it)."""
     entries = meta.get("input_token_logprobs") or []
-    return _legacy_logprobs(entries, meta.get("input_top_logprobs"), text_of, 0, 0)
+    return _legacy_logprobs(entries, meta.get("input_top_logprobs"), text_of, 0, 0)[0]
 
 
 def join_logprobs(first: dict, then: dict) -> dict:
