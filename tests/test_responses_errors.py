@@ -117,6 +117,18 @@ def test_other_refusals_name_the_responses_fields(http, body, named):
     assert named in message, message
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", "0.5"), ("stream", "yes"), ("max_output_tokens", "5"), ("store", 1),
+     ("top_k", 2.0), ("parallel_tool_calls", "false")],
+)  # fmt: skip
+def test_a_value_of_the_wrong_type_is_refused_not_converted(http, field, value):
+    body = {"model": "m", "input": "hi", field: value}
+    answer = http.post("/v1/responses", json=body)
+    assert answer.status_code == 400, answer.text[:300]
+    assert field in answer.json()["error"]["message"]
+
+
 def test_a_good_text_format_is_served(http):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     body = {

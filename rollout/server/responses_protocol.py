@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from rollout.engine.grammar_spec import grammar_fields
 from rollout.engine.request_limits import check_unicode_in
 from rollout.errors import InvalidRequest, InvalidRequestType
+from rollout.server.openai_protocol import BODY_CONFIG
 from rollout.text_checks import check_unicode
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
@@ -25,7 +26,7 @@ ECHOED = ("instructions", "tools", "tool_choice", "text", "reasoning", "metadata
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY_CONFIG  # strict as the chat API's: "0.5" is no temperature
 
     model: str
     input: str | list[dict[str, Any]]
