@@ -6,6 +6,7 @@ text.format, tools[i].parameters, max_output_tokens), not the chat API's that se
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from rollout.engine.request_validation import build_inputs
 from rollout.generate_request import GenerateRequest
 from rollout.server.app import create_app
 from rollout.server.options import ServerOptions
-from tests.test_responses_api import _ScriptedEngine
+from tests.test_responses_api import HARMONY_TEMPLATE, _ScriptedEngine, harmony_encoding  # noqa: F401
 
 CHAT_NAMES = ("messages", "response_format", "structural_tag", "max_tokens", "max_new_tokens")
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
@@ -139,3 +140,16 @@ def test_a_good_text_format_is_served(http):
     answer = http.post("/v1/responses", json=body)
     assert answer.status_code == 200, answer.text[:300]
     assert answer.json()["output"][0]["content"][0]["text"] == "hello"
+
+
+@pytest.mark.usefixtures("harmony_encoding")
+def test_a_harmony_models_refusal_names_max_output_tokens():
+    engine = _CheckingEngine(SimpleNamespace(chat_template=HARMONY_TEMPLATE), [1, 2])
+    app = create_app(engine, ServerOptions())
+    app.state.model_name = "m"
+    with TestClient(app) as client:
+        for stream in (False, True):
+            body = {"model": "m", "input": "hi", "max_output_tokens": 10**6, "stream": stream}
+            answer = client.post("/v1/responses", json=body)
+            assert answer.status_code == 400, answer.text[:300]
+            assert "max_output_tokens must be <=" in answer.json()["error"]["message"]

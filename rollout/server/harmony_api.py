@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from rollout.server import harmony
+from rollout.server.openai_api import named_as
 from rollout.server.responses import error, json_response, model_adapter
 from rollout.server.responses_output import (
     OutputBuilder,
@@ -48,11 +49,12 @@ async def create_response(
     }
     rid, store = new_id("resp"), app_store(request.app.state)
     if body.stream:
-        await engine.run_in_worker(engine.validate_generate, **kwargs)
+        with named_as(body):
+            await engine.run_in_worker(engine.validate_generate, **kwargs)
         outputs = await engine.async_generate(stream=True, **kwargs)
         return EventStream(rid, body, conversation, store).response(_parts(outputs))
     start = time.monotonic()
-    with request.app.state.owners.claim(body.rid, request.state.role):  # see /abort_request
+    with request.app.state.owners.claim(body.rid, request.state.role), named_as(body):
         out = await until_disconnect(request, engine.async_generate(**kwargs))
     out = out[0] if isinstance(out, list) else out
     request.app.state.metrics.observe("v1/responses", [out], time.monotonic() - start)

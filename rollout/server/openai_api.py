@@ -41,6 +41,7 @@ from rollout.server.streaming import (
 
 if TYPE_CHECKING:
     from rollout.engine.engine import RolloutEngine
+    from rollout.server.responses_protocol import ResponsesRequest
 
 router = APIRouter(route_class=OffLoopRoute)
 
@@ -95,7 +96,7 @@ def _chat_prompt(body: ChatCompletionRequest, engine: RolloutEngine) -> tuple[li
 
 
 @contextmanager
-def named_as(body: SamplingFields) -> Iterator[None]:
+def named_as(body: SamplingFields | ResponsesRequest) -> Iterator[None]:
     """Raises the engine's refusals of `body` with its fields named as the client sent them
     (max_tokens where the engine says max_new_tokens)."""
     try:

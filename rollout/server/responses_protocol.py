@@ -9,6 +9,7 @@ names the item.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -51,6 +52,11 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     rid: str | None = None
+
+    def as_named(self, message: str) -> str:
+        """An engine refusal's `message` with its fields named as this request names them (a
+        Harmony model's request goes to the engine as it is)."""
+        return re.sub(r"\bmax_new_tokens\b", "max_output_tokens", message)
 
     def check_unicode(self) -> None:
         """Raises InvalidRequest naming the first string of the input, or of a field the answer
