@@ -191,8 +191,9 @@ BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
          "response_format is not a valid JSON schema"),
         ({"regex": "(unclosed"}, "regex is not a valid regular expression"),
         ({"ebnf": "root ::= foo"}, "ebnf is not a valid EBNF grammar"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
-          "tool_choice": "required"}, "tools: a function's parameters are not a usable JSON schema"),
+        ({"tools": [{"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}},
+                    {"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
+          "tool_choice": "required"}, r"tools\[1\].function.parameters is not a usable JSON schema"),
     ],
 )  # fmt: skip
 def test_grammars_after_reasoning_are_checked_as_the_client_named_them(tokenizer, extra, refused):

@@ -157,7 +157,7 @@ def test_regex_on_generate_and_completions(server, client):
         ({"json_schema": "{not json"}, "json_schema must be valid JSON"),
         ({"ebnf": "root ::= foo"}, "ebnf is not a valid EBNF grammar"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}],
-          "tool_choice": "required"}, "tools: a function's parameters are not a usable JSON schema"),
+          "tool_choice": "required"}, r"tools\[0\].function.parameters is not a usable JSON schema"),
     ],
 )  # fmt: skip
 def test_bad_grammar_requests_are_400(client, extra, match):

@@ -46,9 +46,21 @@ def force_tool_calls(body: ChatCompletionRequest, options: ServerOptions) -> Cha
     except InvalidRequest as e:  # a function's parameters that are no JSON schema xgrammar takes
         detail = str(e).removeprefix("structural_tag is not a valid structural tag: ")
         raise InvalidRequest(
-            f"tools: a function's parameters are not a usable JSON schema: {detail}"
+            f"{_unusable_parameters(body.tools or [], names)} is not a usable JSON schema: {detail}"
         ) from None
     return body.model_copy(update={"structural_tag": grammar})
+
+
+def _unusable_parameters(tools: list[dict[str, Any]], names: list[str]) -> str:
+    """Where the first of the forced tools whose parameters xgrammar refuses has them."""
+    for i, tool in enumerate(tools):
+        function = tool.get("function") or {}
+        if function.get("name") in names and "parameters" in function:
+            try:
+                grammar_fields({"json_schema": function["parameters"]})
+            except InvalidRequest:
+                return f"tools[{i}].function.parameters"
+    return "tools: a function's parameters"  # refused only together
 
 
 def grammar_after_reasoning(
