@@ -101,6 +101,19 @@ def test_requests_without_a_grammar_are_unchanged_beside_constrained_ones(engine
         jsonschema.validate(json.loads(out["text"]), SCHEMA)
 
 
+@pytest.mark.parametrize("skip", [True, False], ids=["skipped", "kept"])
+def test_a_special_token_is_to_the_grammar_what_the_text_shows(engine, skip):
+    # <|im_start|> (id 1) pushed hard. Skipped, it adds nothing to the text: were the grammar
+    # to take it for "<|im_start|>", the text would lack what the grammar matched. Kept, it is
+    # that text, which the pattern allows.
+    pattern = r"[a-z<|_>]+"
+    params = {"temperature": 1.0, "max_new_tokens": 8, "seed": 0, "regex": pattern,
+              "logit_bias": {"1": 30.0}, "skip_special_tokens": skip}  # fmt: skip
+    out = engine.generate(prompt="Hello", sampling_params=params)
+    assert re.fullmatch(pattern, out["text"]), out
+    assert ("<|im_start|>" in out["text"]) is not skip
+
+
 def test_streamed_constrained_output_equals_the_whole(engine):
     params = {"temperature": 1.0, "max_new_tokens": 64, "seed": 11, "json_schema": SCHEMA}
     whole = engine.generate(prompt="Plan:", sampling_params=params)
@@ -159,7 +172,7 @@ class _Backend:
     def __init__(self) -> None:
         self.futures: list = []
 
-    def submit(self, spec):
+    def submit(self, spec, skip_special_tokens=True):
         from concurrent.futures import Future
 
         self.futures.append(Future())

@@ -1,8 +1,8 @@
 """GrammarQueue: requests whose grammar is compiling, off the step loop; each joins the
 scheduler's waiting queue once its grammar is ready (or finishes with an error if it fails).
 
-The backend (xgrammar and the vocabulary's tables) is built on the first request that has a
-grammar: an engine that never sees one never imports xgrammar.
+The backend is made on the first request that has a grammar (its vocabulary's tables on its own
+thread, with that request's compilation): an engine that never sees one never imports xgrammar.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ class GrammarQueue:
 
     def add(self, req: Req) -> None:
         """Starts compiling req's grammar. Raises if there is no backend (xgrammar missing)."""
-        spec = req.req.params.grammar
-        assert spec is not None, f"{req.rid} has no grammar to compile"
+        params = req.req.params
+        assert params.grammar is not None, f"{req.rid} has no grammar to compile"
         if self.backend is None:
             self.backend = self._make_backend()
-        self.pending.append((req, self.backend.submit(spec)))
+        future = self.backend.submit(params.grammar, params.skip_special_tokens)
+        self.pending.append((req, future))
 
     def take_ready(self, idle: bool) -> tuple[list[Req], list[tuple[Req, BaseException]]]:
         """The requests whose grammar is ready, with `req.grammar` set (in arrival order), and
