@@ -91,14 +91,14 @@ class FakeReplica(Replica):
         return {"success": True}
 
     async def release_memory_occupation(self, tags: tuple[str, ...]) -> dict:
-        if self.released & set(tags):
-            raise InvalidRequest(f"already released: {sorted(self.released & set(tags))}")
+        if set(tags) <= self.released:  # as the engine: refused only when none is left
+            raise InvalidRequest(f"nothing to release: {sorted(tags)} already released")
         self.released |= set(tags)
         return {"success": True}
 
     async def resume_memory_occupation(self, tags: tuple[str, ...]) -> dict:
-        if not set(tags) <= self.released:
-            raise InvalidRequest("nothing to resume")
+        if not set(tags) & self.released:
+            raise InvalidRequest(f"nothing to resume: {sorted(tags)} not released")
         self.released -= set(tags)
         return {"success": True}
 
@@ -204,6 +204,66 @@ def test_a_replica_restarted_while_the_pool_is_released_is_released_too():
         await _settle(sup)
         assert replicas[0].starts == 2
         assert [(r.released, r.paused) for r in replicas] == [(set(), False)] * 2
+
+    asyncio.run(run())
+
+
+def test_a_replica_restarted_while_the_pool_is_paused_stages_the_updates_staged_since():
+    async def run() -> None:
+        replicas, sup, weights = _pool(2)
+        await sup.start_all()
+        await weights.pause("in_place")
+        await _disk(weights, "/ckpt/a", "a")
+        sup.mark_dead(1, "killed")
+        await _settle(sup)
+        assert (replicas[1].paused, replicas[1].staged) == (True, ("/ckpt/a", "a"))
+        assert (await weights.resume_generation())["weight_version"] == "a"
+        await _settle(sup)
+        # It applied the update with the others, not restarted once more for lacking it.
+        assert replicas[1].starts == 2 and sup.serving() == [0, 1]
+        assert [(r.weights, r.version, r.paused) for r in replicas] == [("/ckpt/a", "a", False)] * 2
+
+    asyncio.run(run())
+
+
+def test_a_memory_call_one_replica_refuses_is_undone_on_the_others_for_its_tags():
+    async def run() -> None:
+        replicas, sup, weights = _pool(2)
+        await sup.start_all()
+        await weights.memory("release_memory_occupation", ("weights",))
+        replicas[1].refuse.add("release_memory_occupation")
+        with pytest.raises(ValueError, match="replica 1"):
+            await weights.memory("release_memory_occupation", ("kv_cache", "weights"))
+        # Replica 0 gave kv_cache back again; its weights stay released, as the pool's are.
+        assert [r.released for r in replicas] == [{"weights"}] * 2
+        replicas[1].refuse = {"resume_memory_occupation"}
+        with pytest.raises(ValueError, match="replica 1"):
+            await weights.memory("resume_memory_occupation", ("weights",))
+        # Replica 0 released its weights again, so a retry resumes both (it used to refuse the
+        # retry, finding nothing to resume, while the pool held its weights as released).
+        assert [r.released for r in replicas] == [{"weights"}] * 2
+        replicas[1].refuse.clear()
+        await weights.memory("resume_memory_occupation", ("weights",))
+        assert [r.released for r in replicas] == [set()] * 2 and weights.released == set()
+
+    asyncio.run(run())
+
+
+def test_a_replica_restarted_stale_while_the_pool_is_released_is_released_too():
+    async def run() -> None:
+        replicas, sup, weights = _pool(2)
+        await sup.start_all()
+        weights.groups["g"] = Group((0, 0))
+        names = {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"}
+        await weights.update("update_weights_from_distributed", (), names, "dist")
+        await weights.memory("release_memory_occupation", ("kv_cache", "weights"))
+        sup.mark_dead(1, "killed")  # back with no copy of the broadcast weights: stale
+        await _settle(sup)
+        assert sup.state == ["serving", "stale"]
+        assert [r.released for r in replicas] == [{"kv_cache", "weights"}] * 2
+        # The pool's resume finds it released too (it was refused there: nothing to resume).
+        await weights.memory("resume_memory_occupation", ("kv_cache", "weights"))
+        assert [r.released for r in replicas] == [set()] * 2
 
     asyncio.run(run())
 

@@ -13,7 +13,7 @@ serve before it takes traffic. The pool remembers:
   traffic as stale until the next update that the pool can copy reaches it.
 
 Labels: the pool names every update itself, the same name on every replica: the caller's
-weight_version, or `<last named>+<k>` as one engine would.
+weight_version, or, as one engine does, the current label kept.
 """
 
 from __future__ import annotations

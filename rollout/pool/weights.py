@@ -30,6 +30,7 @@ from typing import Any
 from rollout.errors import InvalidRequest, RequestError, WeightSyncError
 from rollout.pool.adapter_source import AdapterSources
 from rollout.pool.replica import Replica, ReplicaDead
+from rollout.pool.staged import restage
 from rollout.pool.supervisor import StaleWeights, Supervisor
 from rollout.pool.weight_source import Snapshot, WeightSource
 
@@ -328,8 +329,13 @@ class PoolWeights:
         (undone on all if one fails); the pool keeps which tags are released, for a replica
         that restarts meanwhile."""
         async with self.lock:
-            results = await self.fan_out(method, tags=tags)
-            if method == "release_memory_occupation":
+            release = method == "release_memory_occupation"
+            # The undo takes back what this call changed, not the tags released before it.
+            changed = tuple(t for t in tags if (t in self.released) != release)
+            back = "resume_memory_occupation" if release else "release_memory_occupation"
+            undo = (back, (), {"tags": changed}) if changed else None
+            results = await self.fan_out(method, tags=tags, undo=undo)
+            if release:
                 self.released.update(tags)
             else:
                 self.released.difference_update(tags)
@@ -337,12 +343,24 @@ class PoolWeights:
 
     async def restore(self, i: int) -> None:
         """Gives restarted replica i the pool's current weights and version, its adapters with
-        their current values, then its pause and the memory the others have released."""
+        their current values, then its pause with the updates staged since (staged.py) and the
+        memory the others have released. A replica left stale is paused and released too: the
+        pool's resume_memory_occupation reaches it, and its memory is the trainer's meanwhile."""
         async with self.lock:
             replica = self.sup.replicas[i]
-            await self._bring_up(replica)
+            try:
+                await self._bring_up(replica)
+            except StaleWeights:
+                await self._hold_as_the_others(replica, [])
+                raise
+            await self._hold_as_the_others(replica, self.pending)
+
+    async def _hold_as_the_others(self, replica: Replica, pending: list[tuple]) -> None:
+        try:
             if self.paused is not None:
                 await replica.call("pause_generation", mode=self.paused)
+                await restage(replica, pending)
+        finally:  # a replica that stays stale gives its memory back too
             if self.released:
                 await replica.call("release_memory_occupation", tags=sorted(self.released))
 
@@ -359,7 +377,6 @@ Call = tuple[str, tuple, dict]
 # The call that takes each call back, where a partial fan-out must not stay.
 UNDO: dict[str, Call] = {
     "pause_generation": ("continue_generation", (), {}),
-    "release_memory_occupation": ("resume_memory_occupation", (), {}),
 }
 
 
