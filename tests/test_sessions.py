@@ -154,6 +154,7 @@ def test_offset_and_replace_branch_a_session(engine):
         ({"id": "S", "rid": "t1", "offset": -1}, "offset must be an int >= 0"),
         ({"id": "S", "rid": "t1", "colour": 1}, "unknown keys"),
         ({"rid": "t1"}, "needs an id"),
+        ({"id": None, "rid": "t1"}, "needs an id"),
         ([{"id": "S"}, {"id": "S"}], "session_params has 2 entries for 1 samples"),
     ],
 )
@@ -272,10 +273,35 @@ def test_run_turns_steps_many_sessions_in_one_call(engine):
     _assert_pool_whole(engine)
 
 
+def test_a_request_needing_the_kv_sessions_keep_takes_it_instead_of_waiting(engine):
+    """Sessions pin up to half the pool; a request that fits the pool but not what the pins
+    leave gets the sessions' KV (their next turns recompute it) instead of waiting forever."""
+    rollouts = [SessionRollout(engine) for _ in range(5)]
+    try:
+        run_turns(engine, rollouts, [_ids(300 + i, 100) for i in range(5)], [GREEDY] * 5)
+        info = engine.get_server_info()
+        assert info["kv_cached"] - info["kv_evictable"] > 1024 - 700, info  # pinned
+
+        async def big():
+            request = engine.async_generate(input_ids=_ids(310, 700), sampling_params=GREEDY)
+            return await asyncio.wait_for(request, 60)
+
+        assert asyncio.run(big())["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+        later = rollouts[0].turn(_ids(311, 2), GREEDY)
+        assert later["meta_info"]["prompt_tokens"] == 100 + 6 + 2
+    finally:
+        for r in rollouts:
+            r.close()
+    _assert_pool_whole(engine)
+
+
 def test_output_versions_follow_mid_request_updates():
     meta = {"weight_version": "v2", "weight_version_changes": [{"offset": 2, "weight_version": "v2"}]}
     assert output_versions(meta, 4) == [None, None, "v2", "v2"]
     assert output_versions({"weight_version": "v1"}, 2) == ["v1", "v1"]
+    # The engine's spans name the version that sampled the tokens before the update too.
+    spans = [{"version": "v1", "start": 0, "end": 2}, {"version": "v2", "start": 2, "end": 4}]
+    assert output_versions({**meta, "weight_versions": spans}, 4) == ["v1", "v1", "v2", "v2"]
     t = Trajectory()
     with pytest.raises(ValueError, match="return_logprob=True"):
         t.add_output({"output_ids": [1], "meta_info": {"weight_version": "v"}})
@@ -292,6 +318,11 @@ def test_sessions_over_http_match_the_engine(tiny_qwen2):
             assert httpx.post(f"{url}/close_session", json={"session_id": sid}).status_code == 200
             bad = httpx.post(f"{url}/close_session", json={"session_id": sid})
             assert bad.status_code == 400 and "is not open" in bad.json()["error"]["message"]
+            for capacity in (True, 10.0, "10"):  # the engine's open_session refuses them too
+                bad = httpx.post(f"{url}/open_session", json={"capacity_of_str_len": capacity})
+                assert bad.status_code == 400 and "capacity_of_str_len" in bad.json()["error"]["message"]
+            bad = httpx.post(f"{url}/generate", json={"input_ids": [5], "session_params": {"id": None}})
+            assert bad.status_code == 400 and "needs an id" in bad.json()["error"]["message"]
             with SessionRollout(client) as rollout:
                 first = rollout.turn(_ids(1, 16), GREEDY)
                 second = rollout.turn(_ids(10, 5), GREEDY)

@@ -6,12 +6,16 @@ the stale caches of older weights) + slots held by live requests == pool size.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from rollout.engine.radix_cache import RadixCache
 from rollout.engine.req import Req
 from rollout.engine.session_pins import SessionPins
 from rollout.forward.kv_pool import ReqToTokenPool, SlotAllocator
+
+logger = logging.getLogger(__name__)
 
 
 class KVManager:
@@ -144,6 +148,20 @@ class KVManager:
         old.evict(old.evictable_size())
         if old.total_size():
             self.stale_caches.append(old)
+
+    def yield_pins(self) -> bool:
+        """The pool can't supply what a queued or running request needs and nothing in flight
+        will free any: the sessions' kept KV becomes evictable (their next turns recompute
+        what is evicted). False if no session kept any."""
+        if not self.pins.nodes:
+            return False
+        logger.warning(
+            "KV pool full: %d open sessions' cached turns are no longer kept, for requests "
+            "that need the room (their next turns recompute them)",
+            self.pins.pinned_sessions(),
+        )
+        self.pins.unpin_all(self.cache)
+        return True
 
     def close_session(self, session_id: str) -> None:
         """The session's finished turns' KV is no longer kept: it stays cached, evictable."""

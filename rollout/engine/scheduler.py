@@ -186,8 +186,11 @@ class Scheduler:
             self.drain()
         batch = None
         if not self.holds:
-            prefill = self.prefill.plan(self.chunked, self.waiting, self.running)
-            batch = prefill or self._plan_decode()
+            batch = self._plan()
+            # Nothing fits and nothing in flight will free KV: what sessions keep must yield.
+            stalled = batch is None and self.has_requests() and self.pipeline.in_flight is None
+            if stalled and self.kv.yield_pins():
+                batch = self._plan()
         self.pipeline.push(batch)
         return self.take_reports()
 
@@ -225,6 +228,9 @@ class Scheduler:
         self.waiting.extend(ready)
         for req, error in failed:
             self.results.finish(req, failure_reason("compiling its grammar", error))
+
+    def _plan(self) -> ScheduleBatch | None:
+        return self.prefill.plan(self.chunked, self.waiting, self.running) or self._plan_decode()
 
     def _plan_decode(self) -> ScheduleBatch | None:
         if self.kv.free_slots() < len(self.running):

@@ -59,7 +59,7 @@ class SessionParams:
         unknown = sorted(set(value) - set(KEYS))
         if unknown:
             raise InvalidRequest(f"session_params has unknown keys {unknown}; known: {list(KEYS)}")
-        if "id" not in value:
+        if value.get("id") is None:  # null means the default, and id has none
             raise InvalidRequest("session_params needs an id (open_session returns one)")
         given = {k: v for k, v in value.items() if v is not None}
         return cls(**given)

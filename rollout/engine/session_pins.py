@@ -6,7 +6,9 @@ requests ran in between. The locks go when the session closes, when the cache is
 when the weights change (KV of older weights is never reused): a later turn then recomputes
 what it no longer finds. Sessions never lock more than MAX_PINNED_SHARE of the pool (counting
 the prefixes running requests lock): beyond that a turn's KV stays in the cache unpinned, so
-open sessions can't starve new requests of KV.
+open sessions can't starve new requests of KV. A request that needs more than the pins leave
+(up to the whole pool) gets it: when nothing can run, every session's pins go
+(KVManager.yield_pins) and the sessions' next turns recompute what was evicted.
 """
 
 from __future__ import annotations
