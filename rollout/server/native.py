@@ -67,14 +67,14 @@ class AbortRequestBody(BaseModel):
 
 
 class OpenSessionBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as the engine: 10.0 is no int
 
     capacity_of_str_len: int
     session_id: str | None = None
 
 
 class CloseSessionBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     session_id: str
 
