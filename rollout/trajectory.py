@@ -27,9 +27,8 @@ class Trajectory:
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)  # 1: sampled by the policy; 0: the rest
     logprobs: list[float] = field(default_factory=list)  # the sampled token's; 0.0 off the mask
-    # The weight version that sampled each policy token; None off the mask, and on tokens
-    # sampled before an update that came in the middle of their request (the engine reports
-    # the versions from the update on).
+    # The weight version that sampled each policy token (an update in the middle of a request
+    # splits its tokens between versions); None off the mask.
     weight_versions: list[str | None] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -66,11 +65,20 @@ class Trajectory:
 
 
 def output_versions(meta: dict[str, Any], count: int) -> list[str | None]:
-    """The weight version of each of a result's `count` output tokens."""
+    """The weight version of each of a result's `count` output tokens: from the spans of
+    meta_info.weight_versions; without them (an older server), from the changes, the tokens
+    before the first change None."""
+    spans = meta.get("weight_versions")
+    if spans:
+        versions: list[str | None] = [None] * count
+        for span in spans:
+            start, end = span["start"], span["end"]
+            versions[start:end] = [span["version"]] * (end - start)
+        return versions
     changes = sorted(meta.get("weight_version_changes") or (), key=lambda c: c["offset"])
     if not changes:
         return [meta["weight_version"]] * count
-    versions: list[str | None] = [None] * count
+    versions = [None] * count
     for i, change in enumerate(changes):
         end = changes[i + 1]["offset"] if i + 1 < len(changes) else count
         versions[change["offset"] : end] = [change["weight_version"]] * (end - change["offset"])
