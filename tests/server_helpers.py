@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -23,18 +24,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _popen(cmd: list[str]) -> subprocess.Popen:
+    """`cmd` with its stderr in a temporary file (`proc.log`): a pipe nobody reads fills after
+    a few logged tracebacks and stalls the server on its next log line."""
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def _log(proc: subprocess.Popen) -> str:
+    proc.log.seek(0)  # type: ignore[attr-defined]
+    return proc.log.read()  # type: ignore[attr-defined]
+
+
 def start_server(model_path: str, *args: str, api_key: str | None = None) -> tuple[subprocess.Popen, str]:
     """Starts a server and waits until it generates. Returns the process and its base URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "rollout.serve", "--model-path", model_path, "--port", str(port), *SERVER_ARGS, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = _popen(cmd)
     url = f"http://127.0.0.1:{port}"
     client = RolloutClient(url, api_key=api_key)
     deadline = time.monotonic() + 120
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited during startup:\n{proc.stderr.read()}")
+                raise RuntimeError(f"the server exited during startup:\n{_log(proc)}")
             if time.monotonic() > deadline:
                 raise TimeoutError("the server did not become ready within 120 s")
             try:
@@ -51,7 +66,7 @@ def start_server(model_path: str, *args: str, api_key: str | None = None) -> tup
 
 def start_process(cmd: list[str], url: str, api_key: str | None = None) -> subprocess.Popen:
     """Starts `cmd` (a server or router serving `url`) and waits until it is ready."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = _popen(cmd)
     client = RolloutClient(url, api_key=api_key)
     deadline = time.monotonic() + 120
     try:
@@ -60,7 +75,7 @@ def start_process(cmd: list[str], url: str, api_key: str | None = None) -> subpr
                 raise TimeoutError(f"{cmd} did not answer /health within 120 s")
             time.sleep(0.2)
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd} exited during startup:\n{proc.stderr.read()}")
+            raise RuntimeError(f"{cmd} exited during startup:\n{_log(proc)}")
         client.wait_ready(timeout=60)
     except BaseException:
         stop_server(proc)
@@ -78,6 +93,8 @@ def stop_server(proc: subprocess.Popen, timeout: float = 15) -> None:
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+    if getattr(proc, "log", None) is not None:
+        proc.log.close()
 
 
 def health_latencies_while(url: str, body: bytes) -> tuple[httpx.Response, list[float]]:
