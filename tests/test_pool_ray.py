@@ -178,3 +178,42 @@ def test_a_placement_ray_cannot_make_is_refused_before_ray_starts(tiny_qwen3, mo
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(ValueError, match=message):
         RolloutPool(tiny_qwen3, replicas=2, **ENGINE, **placement)
+
+
+def test_a_replica_that_missed_its_ping_is_killed_without_the_graceful_wait(monkeypatch):
+    """A replica that answered no health check is killed at once when it is restarted (its
+    requests wait for that); one that answers is asked to shut down first."""
+    import asyncio
+
+    from rollout.pool import ray_replica
+
+    monkeypatch.setattr(ray_replica, "PING_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(ray_replica, "STOP_TIMEOUT_S", 0.05)
+    calls: list[str] = []
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: calls.append(f"kill {actor.name}"))
+
+    class Actor:
+        def __init__(self, name: str, answers: bool) -> None:
+            self.name, self.answers = name, answers
+            self.alive = self.shutdown = self
+
+        def remote(self) -> asyncio.Future:  # alive() and shutdown(): one stub for both
+            calls.append(f"call {self.name}")
+            future = asyncio.get_running_loop().create_future()
+            if self.answers:
+                future.set_result((True, None))
+            return future  # a frozen actor's never completes
+
+    async def run() -> None:
+        replica = ray_replica.RayReplica(0, "m", {}, None, 1, 0)
+        replica.actor = Actor("frozen", answers=False)
+        assert not await replica.alive()
+        await replica.stop()
+        assert calls == ["call frozen", "kill frozen"]  # the ping only, no shutdown
+        calls.clear()
+        replica.actor = Actor("fine", answers=True)
+        assert await replica.alive()
+        await replica.stop()
+        assert calls == ["call fine", "call fine", "kill fine"]  # the ping, then shutdown
+
+    asyncio.run(run())

@@ -83,6 +83,7 @@ class RayReplica(Replica):
         self.placement_group = placement_group
         self.num_cpus, self.num_gpus, self.runtime_env = num_cpus, num_gpus, runtime_env
         self.actor: Any = None
+        self.unresponsive = False  # it failed to answer a ping: stopped without the graceful wait
         self.ranks = int(options.get("tp_size", 1))
 
     async def start(self) -> dict:
@@ -124,6 +125,7 @@ class RayReplica(Replica):
         try:
             ok, _ = await self._await(self.actor.alive.remote(), PING_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - any failure to answer is death here
+            self.unresponsive = True
             return False
         return bool(ok)
 
@@ -134,12 +136,14 @@ class RayReplica(Replica):
         import ray
 
         actor, self.actor = self.actor, None
+        unresponsive, self.unresponsive = self.unresponsive, False
         if actor is None:
             return
-        try:
-            await asyncio.wait_for(actor.shutdown.remote(), STOP_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - dead or stuck: killed below either way
-            pass
+        if not unresponsive:  # one that missed its ping would only hold its restart longer
+            try:
+                await asyncio.wait_for(actor.shutdown.remote(), STOP_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - dead or stuck: killed below either way
+                pass
         ray.kill(actor, no_restart=True)
 
     def _actor(self) -> Any:
