@@ -92,6 +92,27 @@ def test_distributed_update_matches_transformers_and_bucketed_equals_per_tensor(
     assert engine.get_server_info()["weight_update_groups"] == []
 
 
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_a_push_the_engine_would_refuse_fails_before_broadcasting_and_keeps_the_group(
+    engine, expected, tiny_qwen3, load_format
+):
+    # Broadcasting a call the engine refuses up front would leave the trainer sending to nobody
+    # until the group's timeout, and the group broken on both sides.
+    sender = WeightSender(engine, method="distributed")
+    sender.init_group("127.0.0.1", _free_port(), backend="gloo", group_name="checked", timeout_s=20)
+    try:
+        weights = _weights(tiny_qwen3)
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="weight_version must be a non-empty string"):
+            sender.push(weights, weight_version="", load_format=load_format)
+        assert time.monotonic() - start < 5  # refused at once, not after the group's timeout
+        result = sender.push(weights, weight_version="checked", load_format=load_format)
+        assert result["weight_version"] == "checked"
+        assert _greedy(engine) == expected["base"]
+    finally:
+        sender.close()
+
+
 @pytest.mark.parametrize("stream_buckets", [False, True], ids=["one-call", "streamed"])
 def test_tensor_handoff_matches_transformers(engine, expected, tiny_qwen3, tiny_qwen3_perturbed, stream_buckets):
     sender = WeightSender(engine, method="tensor", bucket_bytes=64 << 10, stream_buckets=stream_buckets)

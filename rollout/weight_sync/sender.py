@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from rollout.weight_sync import adapter_weights, distributed_source
-from rollout.weight_sync.calls import DEFAULT_GROUP
+from rollout.weight_sync.calls import DEFAULT_GROUP, UpdateWeightsFromDistributed
 from rollout.weight_sync.flat_bucket import FlatBucket, layout
 from rollout.weight_sync.specs import WeightSpec, check_unique, dtype_name, parse_dtype
 from rollout.weight_sync.update_group import UpdateGroup
@@ -168,11 +168,16 @@ class WeightSender:
         if self.group is None:
             raise RuntimeError("call init_group before pushing through the distributed path")
         named = [(n, t.to(self.dtype)) for n, t in named]
-        done = self._pool.submit(
-            self.target.update_weights_from_distributed,
+        args = (
             [n for n, _ in named], [dtype_name(self.dtype)] * len(named), [list(t.shape) for _, t in named],
-            self.group.name, True, version, load_format, **self._lora_kw(),
+            self.group.name, True, version, load_format,
         )  # fmt: skip
+        # NOTE: checked here, before the first broadcast: a call refused before the engine takes
+        # the broadcasts would leave this rank sending to nobody until the group's timeout, and
+        # the group broken on both sides.
+        lora = self._lora_kw()
+        UpdateWeightsFromDistributed(*args, **lora)
+        done = self._pool.submit(self.target.update_weights_from_distributed, *args, **lora)
         try:
             distributed_source.send(self.group, named, load_format)
         finally:
