@@ -188,12 +188,12 @@ class RolloutClient(ControlAPI):
     def update_weights_from_tensor(
         self, named_tensors: calls.NamedTensors, load_format: str | None = None,
         flush_cache: bool = True, weight_version: str | None = None,
-        lora_name: str | None = None,
+        lora_name: str | None = None, abort_all_requests: bool = False,
     ) -> dict:  # fmt: skip
         """Colocated only: shares the tensors (CUDA IPC handles, or shared memory on the host)
         and sends their JSON handles; the tensors must not change until this returns."""
         args = named_tensors, load_format, flush_cache, weight_version, lora_name
-        with calls.UpdateWeightsFromTensor.shared(*args) as call:
+        with calls.UpdateWeightsFromTensor.shared(*args, abort_all_requests) as call:
             return self.control(call)
 
     def update_weights_from_disk(

@@ -68,6 +68,31 @@ def test_tensor_handoff_over_http(admin, tiny_qwen3):
     assert admin.generate("hello there", GREEDY)["output_ids"] == before
 
 
+def test_a_tensor_update_with_abort_all_requests_ends_the_requests_in_flight(admin, tiny_qwen3):
+    import pathlib
+    import threading
+
+    original = _checkpoint(pathlib.Path(tiny_qwen3))[NAME]
+    admin.update_weight_version("before-abort")
+    started, last = threading.Event(), {}
+
+    def run() -> None:
+        params = {"max_new_tokens": 3000, "ignore_eos": True}
+        for chunk in admin.generate("count on", params, stream=True):
+            started.set()
+            last.update(chunk)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(60)
+    admin.update_weights_from_tensor({NAME: original}, weight_version="after-abort", abort_all_requests=True)
+    thread.join(60)
+    meta = last["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 3000
+    assert meta["weight_version"] == "before-abort"
+    assert admin.get_weight_version() == "after-abort"
+
+
 def test_failed_updates_change_nothing(admin):
     version = admin.get_weight_version()
     weights = admin.get_weights_by_name(NAME)

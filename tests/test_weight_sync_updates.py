@@ -299,13 +299,17 @@ def test_relabel_keeps_requests_unless_asked_to_abort(engine):
     assert {span["version"] for span in aborted["weight_versions"]} == {"relabelled"}
 
 
-def test_requests_aborted_by_an_update_carry_the_version_they_ran_under(engine, tiny_qwen3):
+@pytest.mark.parametrize("path", ["disk", "tensor"])
+def test_requests_aborted_by_an_update_carry_the_version_they_ran_under(engine, tiny_qwen3, path):
     engine.update_weights_from_disk(tiny_qwen3, weight_version="before")
     params = {"max_new_tokens": 300, "ignore_eos": True}
     done = False
     for chunk in engine.generate(input_ids=PROMPTS[0], sampling_params=params, stream=True):
         if len(chunk["output_ids"]) >= 5 and not done:
-            engine.update_weights_from_disk(tiny_qwen3, weight_version="after", abort_all_requests=True)
+            if path == "disk":
+                engine.update_weights_from_disk(tiny_qwen3, weight_version="after", abort_all_requests=True)
+            else:
+                engine.update_weights_from_tensor(_weights(tiny_qwen3), weight_version="after", abort_all_requests=True)
             done = True
     meta = chunk["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and 5 <= meta["completion_tokens"] < 300

@@ -281,14 +281,15 @@ class RolloutEngine(ControlAPI):
     def update_weights_from_tensor(
         self, named_tensors: calls.NamedTensors, load_format: str | None = None,
         flush_cache: bool = True, weight_version: str | None = None,
-        lora_name: str | None = None,
+        lora_name: str | None = None, abort_all_requests: bool = False,
     ) -> dict:  # fmt: skip
         """Loads tensors of this process (list of (name, tensor) or dict; FlatBucket(s) with
         load_format="flattened_bucket"), or TensorHandles, all or none. Only CUDA IPC handles
-        or shared-memory names reach the scheduler; the tensors must not change until this returns."""
+        or shared-memory names reach the scheduler; the tensors must not change until this returns.
+        abort_all_requests: the requests in flight end (as aborted) before the update."""
         self._check_open()
         args = named_tensors, load_format, flush_cache, weight_version, lora_name
-        with calls.UpdateWeightsFromTensor.shared(*args) as call:
+        with calls.UpdateWeightsFromTensor.shared(*args, abort_all_requests) as call:
             return self.control(call)
 
     # allowed_roots: every file read must resolve under one of these (else PermissionError).

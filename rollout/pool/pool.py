@@ -218,7 +218,7 @@ class RolloutPool(ControlAPI):
     def update_weights_from_tensor(
         self, named_tensors: calls.NamedTensors, load_format: str | None = None,
         flush_cache: bool = True, weight_version: str | None = None,
-        lora_name: str | None = None,
+        lora_name: str | None = None, abort_all_requests: bool = False,
     ) -> dict:  # fmt: skip
         """Shares the tensors once (CUDA IPC or shared memory: the replicas must be on this
         node) and has every replica load them (with lora_name: new values of that adapter).
@@ -238,6 +238,8 @@ class RolloutPool(ControlAPI):
             kwargs = {"load_format": load_format, "flush_cache": flush_cache}
             if lora_name is not None:
                 kwargs["lora_name"] = lora_name
+            if abort_all_requests:
+                kwargs["abort_all_requests"] = True
             method = call.method
             return self._call(
                 self.weights.update(

@@ -105,13 +105,10 @@ def update_weights_from_tensor(body: TensorBody, request: Request) -> dict:
         given = TensorHandles.from_json(given)
     else:
         raise InvalidRequest("give tensor_handles or serialized_named_tensors")
-    engine = _engine(request)
-    if body.abort_all_requests:
-        engine.abort_request(abort_all=True)
     return _dict(
-        engine.update_weights_from_tensor(
+        _engine(request).update_weights_from_tensor(
             given, body.load_format, body.flush_cache, body.weight_version,
-            lora_name=body.lora_name,
+            lora_name=body.lora_name, abort_all_requests=body.abort_all_requests,
         )
     )
 

@@ -196,14 +196,14 @@ class UpdateWeightsFromTensor(ControlCall):
     def shared(
         cls, named_tensors: NamedTensors, load_format: str | None = None,
         flush_cache: bool = True, weight_version: str | None = None,
-        lora_name: str | None = None,
+        lora_name: str | None = None, abort_all_requests: bool = False,
     ) -> Iterator[UpdateWeightsFromTensor]:  # fmt: skip
         """The call for tensors of this process, shared here (as handles) until the block ends:
         send it and wait for the reply inside. TensorHandles shared by another process, and
         SGLang's serialized payloads (a list of base64 text or bytes, one per rank), are sent
         as they are; SGLang's {"flattened_tensor", "metadata"} bucket is shared as its
         tensors."""
-        lora = {"lora_name": lora_name}
+        lora = {"lora_name": lora_name, "abort_all_requests": abort_all_requests}
         if isinstance(named_tensors, TensorHandles) or per_rank(named_tensors):
             yield cls(named_tensors, load_format, flush_cache, weight_version, **lora)
             return
