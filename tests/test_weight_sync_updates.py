@@ -245,7 +245,10 @@ def test_trainer_failing_mid_broadcast_leaves_the_old_weights(engine, expected, 
     assert _exact(engine) == before and engine.get_weight_version() == "safe"  # still serving
     with pytest.raises(ValueError, match="no open weight update group 'doomed'"):
         engine.update_weights_from_distributed(names[:1], ["float32"], shapes[:1], "doomed")
+    info = engine.get_server_info()  # listed as closed, not as one updates can use
+    assert (info["weight_update_groups"], info["weight_update_groups_closed"]) == ([], ["doomed"])
     engine.destroy_weights_update_group("doomed")
+    assert engine.get_server_info()["weight_update_groups_closed"] == []
     engine.update_weights_from_disk(tiny_qwen3, weight_version="next")  # the next good one works
     assert _greedy(engine) == expected["base"]
 

@@ -27,9 +27,12 @@ class UpdateGroups:
         self.joining: dict[str, Future[UpdateGroup]] = {}
 
     def info(self) -> dict[str, Any]:
+        """The groups updates can go through, those being joined, and those closed by a failed
+        broadcast (destroy_weights_update_group frees the name to join again)."""
         return {
-            "weight_update_groups": sorted(self.open),
+            "weight_update_groups": sorted(n for n, g in self.open.items() if not g.closed),
             "weight_update_groups_joining": sorted(self.joining),
+            "weight_update_groups_closed": sorted(n for n, g in self.open.items() if g.closed),
         }
 
     def join(
