@@ -214,6 +214,16 @@ def test_user_abort_all_is_refused(server):
     assert resp.status_code == 403
 
 
+@pytest.mark.parametrize("body", [{"abort_all": "yes"}, {"abort_all": 1}, {"rid": 5}])
+def test_an_abort_body_of_the_wrong_types_is_refused_not_converted(server, body):
+    url, _ = server
+    stream = Stream(url, USER, "kept-running", max_new_tokens=3000)
+    resp = httpx.post(f"{url}/abort_request", json=body, headers=ADMIN)
+    assert resp.status_code == 400 and next(iter(body)) in resp.json()["error"]["message"]
+    assert _abort(url, ADMIN, "kept-running").status_code == 200  # it was running until now
+    assert stream.last()["finish_reason"]["type"] == "abort"
+
+
 # ---- error answers, against a stand-in engine (a real one can't be made to fail on cue) ----
 class _FailingEngine:
     options = SimpleNamespace(model=SimpleNamespace(model_path="/models/secret/checkpoint"))

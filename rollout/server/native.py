@@ -60,7 +60,7 @@ GenerateBody = _generate_body()
 
 
 class AbortRequestBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "abort_all": "yes" is no bool
 
     rid: str | None = None
     abort_all: bool = False
