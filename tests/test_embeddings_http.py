@@ -148,3 +148,14 @@ def test_rerank_with_an_embedder_uses_cosine_similarity(embed_client):
         cos = (q @ torch.tensor(vecs[1 + r["index"]]["embedding"])).item()
         assert r["score"] == pytest.approx(cos, abs=TOL)
     assert results[0]["score"] >= results[1]["score"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [("/v1/score", {"query": "q", "items": ["a"], "label_token_ids": [1], "apply_softmax": "yes"}, "apply_softmax"),
+     ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": "1"}, "top_n"),
+     ("/encode", {"text": "q", "normalize": 1}, "normalize")],
+)  # fmt: skip
+def test_a_body_of_the_wrong_types_is_refused_not_converted(embed_server, path, body, field):
+    answer = httpx.post(f"{embed_server}{path}", json=body)
+    assert answer.status_code == 400 and field in answer.text, answer.text[:300]

@@ -83,3 +83,11 @@ def test_a_name_no_answer_can_hold_is_refused_and_loads_nothing(setup):
     assert refused.status_code == 400 and "lora_name is not valid Unicode" in refused.text
     models = httpx.get(f"{setup['url']}/v1/models", headers={"Authorization": "Bearer admin"})
     assert models.status_code == 200 and len(models.json()["data"]) == 2
+
+
+def test_a_load_body_of_the_wrong_types_is_refused_not_converted(setup):
+    body = {"lora_name": "p", "lora_path": setup["b"], "pinned": "yes"}
+    refused = _post(setup, "/load_lora_adapter", body)
+    assert refused.status_code == 400 and "pinned" in refused.text
+    models = httpx.get(f"{setup['url']}/v1/models", headers={"Authorization": "Bearer admin"})
+    assert "p" not in {m["id"].rsplit(":", 1)[-1] for m in models.json()["data"]}

@@ -29,7 +29,7 @@ AnyPrompts = SkipValidation[str | list[str] | list[int] | list[list[int]]]
 
 
 class EncodeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: Prompt = None
     input_ids: Ids = None
@@ -38,7 +38,7 @@ class EncodeRequest(BaseModel):
 
 
 class ClassifyRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: Prompt = None
     input_ids: Ids = None
@@ -47,7 +47,8 @@ class ClassifyRequest(BaseModel):
 
 
 class EmbeddingsRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send user, dimensions, ...
+    # Unknown fields ignored: OpenAI clients send user, dimensions, ...
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     input: AnyPrompts
     model: str
@@ -55,7 +56,7 @@ class EmbeddingsRequest(BaseModel):
 
 
 class ScoreRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     query: SkipValidation[str | list[int]]
     items: AnyPrompts
@@ -66,7 +67,7 @@ class ScoreRequest(BaseModel):
 
 
 class RerankRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     query: str
     documents: list[str]

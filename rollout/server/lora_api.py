@@ -18,14 +18,14 @@ router = APIRouter()
 
 
 class LoadLoraBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     lora_name: str
     lora_path: str
     pinned: bool = False  # SGLang's: every loaded adapter stays until unloaded here
 
 
 class UnloadLoraBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     lora_name: str
 
 
