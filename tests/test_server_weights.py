@@ -93,6 +93,21 @@ def test_a_tensor_update_with_abort_all_requests_ends_the_requests_in_flight(adm
     assert admin.get_weight_version() == "after-abort"
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [("/update_weights_from_disk", {"model_path": "/x", "abort_all_requests": "yes"}, "abort_all_requests"),
+     ("/update_weights_from_disk", {"model_path": "/x", "weight_version": 5}, "weight_version"),
+     ("/update_weights_from_tensor", {"tensor_handles": {}, "flush_cache": "no"}, "flush_cache"),
+     ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "29500",
+                                     "rank_offset": 1, "world_size": 2}, "master_port")],
+)  # fmt: skip
+def test_a_weight_body_of_the_wrong_types_is_refused_not_converted(admin, path, body, field):
+    version = admin.get_weight_version()
+    answer = httpx.post(f"{admin.base_url}{path}", json=body, headers=admin.headers, timeout=60)
+    assert answer.status_code == 400 and field in answer.text, answer.text[:300]
+    assert admin.get_weight_version() == version
+
+
 def test_failed_updates_change_nothing(admin):
     version = admin.get_weight_version()
     weights = admin.get_weights_by_name(NAME)

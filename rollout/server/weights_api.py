@@ -13,11 +13,12 @@ files that resolve under --allowed-weight-roots.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, create_model
+from pydantic import BaseModel, ConfigDict, Strict, create_model
 
 from rollout.control import ControlCall
 from rollout.errors import InvalidRequest
@@ -36,7 +37,7 @@ def _body(name: str, call: type[ControlCall], **fields: Any) -> type[BaseModel]:
     checked here; the call checks the values where the engine builds it."""
     hints = typing.get_type_hints(call)
     defaults = {
-        f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
+        f.name: (_strict(hints[f.name]), ... if f.default is dataclasses.MISSING else f.default)
         for f in dataclasses.fields(call)
     }
     for field, kind in fields.items():
@@ -45,6 +46,19 @@ def _body(name: str, call: type[ControlCall], **fields: Any) -> type[BaseModel]:
         else:
             defaults[field] = (kind, defaults[field][1])
     return create_model(name, __config__=ConfigDict(extra="forbid"), **defaults)
+
+
+def _strict(kind: Any) -> Any:
+    """A bool, int or str field (optional or not) taken as sent: "yes" is no bool, "5" no int.
+    Other fields keep pydantic's conversions (a JSON list for a tuple field)."""
+    args = typing.get_args(kind)
+    if kind in (bool, int, str):
+        return Annotated[kind, Strict()]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1 and rest[0] in (bool, int, str):
+            return Annotated[rest[0], Strict()] | None
+    return kind
 
 
 InitGroupBody = _body("InitGroupBody", calls.InitWeightsUpdateGroup)
