@@ -124,7 +124,7 @@ def update_weights_from_tensor(body: TensorBody, request: Request) -> dict:
             given, body.load_format, body.flush_cache, body.weight_version,
             lora_name=body.lora_name, abort_all_requests=body.abort_all_requests,
         )
-    )
+    )  # fmt: skip
 
 
 @router.post("/update_weights_from_disk")
@@ -139,7 +139,7 @@ def update_weights_from_disk(body: DiskBody, request: Request) -> dict:
             flush_cache=body.flush_cache, abort_all_requests=body.abort_all_requests,
             lora_name=body.lora_name,
         )
-    )
+    )  # fmt: skip
 
 
 @router.post("/get_weights_by_name")
