@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, SkipValidation
 
-from rollout.server.json_body import OffLoopRoute
+from rollout.server.json_body import BODY_CONFIG, OffLoopRoute
 from rollout.server.native import Prompts, TokenIds
 from rollout.server.responses import check_model, error, json_response
 from rollout.server.streaming import until_disconnect
@@ -29,7 +29,7 @@ AnyPrompts = SkipValidation[str | list[str] | list[int] | list[list[int]]]
 
 
 class EncodeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = BODY_CONFIG
 
     text: Prompt = None
     input_ids: Ids = None
@@ -38,7 +38,7 @@ class EncodeRequest(BaseModel):
 
 
 class ClassifyRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = BODY_CONFIG
 
     text: Prompt = None
     input_ids: Ids = None
@@ -48,7 +48,7 @@ class ClassifyRequest(BaseModel):
 
 class EmbeddingsRequest(BaseModel):
     # Unknown fields ignored: OpenAI clients send user, dimensions, ...
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict({**BODY_CONFIG, "extra": "ignore"})
 
     input: AnyPrompts
     model: str
@@ -56,7 +56,7 @@ class EmbeddingsRequest(BaseModel):
 
 
 class ScoreRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = BODY_CONFIG
 
     query: SkipValidation[str | list[int]]
     items: AnyPrompts
@@ -67,7 +67,7 @@ class ScoreRequest(BaseModel):
 
 
 class RerankRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = BODY_CONFIG
 
     query: str
     documents: list[str]

@@ -26,13 +26,17 @@ from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from rollout.server.json_collection_pause import collections_paused
 from rollout.server.json_parse import TooManyContainers, decode_body, parse
 from rollout.server.json_release import release
+
+# Every request body's models, nested ones too (a model's config is its own): unknown fields are
+# an error, and values are taken as sent ("2" is no int, "yes" no bool; an int is a float).
+BODY_CONFIG = ConfigDict(extra="forbid", strict=True)
 
 LARGE_BODY_BYTES = 2**20  # smaller bodies take FastAPI's path: a thread hop costs more
 _PARSED = "rollout.parsed_body"  # scope key: the validated models of large bodies, to release

@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
+from rollout.server.json_body import BODY_CONFIG
 from rollout.weight_sync.weight_roots import path_under_roots
 
 if TYPE_CHECKING:
@@ -18,14 +19,14 @@ router = APIRouter()
 
 
 class LoadLoraBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = BODY_CONFIG
     lora_name: str
     lora_path: str
     pinned: bool = False  # SGLang's: every loaded adapter stays until unloaded here
 
 
 class UnloadLoraBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = BODY_CONFIG
     lora_name: str
 
 

@@ -12,13 +12,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, SkipValidation, create_model
+from pydantic import BaseModel, SkipValidation, create_model
 
 from rollout import __version__
 from rollout.engine.messages import AbortRequest
 from rollout.errors import RequestError
 from rollout.generate_request import WIRE_NAMES, GenerateRequest
-from rollout.server.json_body import OffLoopRoute
+from rollout.server.json_body import BODY_CONFIG, OffLoopRoute
 from rollout.server.loads import loads_report
 from rollout.server.responses import JSON, error, json_response
 from rollout.server.stream_fanout import is_fanout, open_fanout
@@ -52,29 +52,28 @@ def _generate_body() -> type[BaseModel]:
         kind = _UNCHECKED.get(f.name, hints[f.name])
         body[WIRE_NAMES.get(f.name, f.name)] = (kind, f.default)
     # Strict: "yes" is no bool and "0" no int here, as in the Python API (GenerateRequest).
-    config = ConfigDict(extra="forbid", strict=True)
-    return create_model("GenerateBody", __config__=config, **body)
+    return create_model("GenerateBody", __config__=BODY_CONFIG, **body)
 
 
 GenerateBody = _generate_body()
 
 
 class AbortRequestBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # "abort_all": "yes" is no bool
+    model_config = BODY_CONFIG  # "abort_all": "yes" is no bool
 
     rid: str | None = None
     abort_all: bool = False
 
 
 class OpenSessionBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # as the engine: 10.0 is no int
+    model_config = BODY_CONFIG  # as the engine: 10.0 is no int
 
     capacity_of_str_len: int
     session_id: str | None = None
 
 
 class CloseSessionBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = BODY_CONFIG
 
     session_id: str
 
@@ -245,8 +244,9 @@ def abort_request(body: AbortRequestBody, request: Request) -> JSON:
     owners = request.app.state.owners
     if call.abort_all or owners.may_abort(call.rid, role):
         _engine(request).abort_request(rid=call.rid, abort_all=call.abort_all)
-        for member in [] if call.abort_all else owners.members(call.rid):
-            _engine(request).abort_request(rid=member)  # an OpenAI stream's choices
+        if not call.abort_all:
+            for member in owners.members(call.rid):  # an OpenAI stream's choices
+                _engine(request).abort_request(rid=member)
     return JSON({"success": True})
 
 

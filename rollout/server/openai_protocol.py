@@ -11,7 +11,6 @@ from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     SkipValidation,
@@ -21,9 +20,7 @@ from pydantic import (
 
 from rollout.engine.grammar_openai import response_format_grammar
 from rollout.errors import InvalidRequest
-
-# Every model of a body, nested ones too (a model's config is its own): strict as /generate's.
-BODY_CONFIG = ConfigDict(extra="forbid", strict=True)
+from rollout.server.json_body import BODY_CONFIG
 
 
 class StreamOptions(BaseModel):

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from rollout.engine.grammar_spec import grammar_fields
 from rollout.engine.request_limits import check_unicode_in
 from rollout.errors import InvalidRequest, InvalidRequestType
-from rollout.server.openai_protocol import BODY_CONFIG
+from rollout.server.json_body import BODY_CONFIG
 from rollout.text_checks import check_unicode
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
