@@ -15,6 +15,17 @@ def check_unicode(text: str, what: str) -> None:
         utf8_size(text, what)
 
 
+def is_unicode(text: str) -> bool:
+    """check_unicode's test, raising nothing (for a caller that names the text only if it fails)."""
+    if text.isascii():  # O(1) for CPython's compact ASCII strings
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_label(text: str, what: str) -> None:
     """A name the engine lists, logs and answers with (an adapter's, a session's): valid
     Unicode without control characters (newlines, NUL, terminal escapes)."""

@@ -14,11 +14,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from rollout.engine.grammar_openai import forced_tool_names
 from rollout.engine.grammar_spec import grammar_fields
 from rollout.engine.request_limits import check_unicode_in
 from rollout.errors import InvalidRequest, InvalidRequestType
 from rollout.server.json_body import BODY_CONFIG
-from rollout.text_checks import check_unicode
+from rollout.text_checks import check_unicode, is_unicode
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -141,7 +142,7 @@ class ResponsesRequest(BaseModel):
         if chat_format is None:
             return
         kind = chat_format["type"]
-        if self._forces_call():
+        if forced_tool_names(self.chat_tools() or [], self.chat_tool_choice()) is not None:
             raise InvalidRequest(
                 f"tool_choice {self.tool_choice!r} can't be combined with text.format {kind!r}: "
                 "a forced tool call's output is the call"
@@ -153,13 +154,6 @@ class ResponsesRequest(BaseModel):
             grammar_fields({"json_schema": schema})
         except InvalidRequest as e:  # its messages start with the grammar field's name
             raise InvalidRequest(field + str(e).removeprefix("json_schema")) from None
-
-    def _forces_call(self) -> bool:
-        """Whether tool_choice forces a call of an offered function (as the chat route does)."""
-        names = [tool.get("name") for tool in self.tools or ()]
-        if self.tool_choice == "required":
-            return bool(names)
-        return isinstance(self.tool_choice, dict) and self.tool_choice.get("name") in names
 
 
 def item_text(content: Any, where: str, field: str = "content") -> str:
@@ -193,26 +187,16 @@ def check_unicode_at(value: Any, where: str) -> None:
     while stack:  # iterative: JSON can nest deeper than Python recurses
         item, path = stack.pop()
         if isinstance(item, str):
-            if not _is_unicode(item):
+            if not is_unicode(item):
                 check_unicode(item, _path(path))
         elif isinstance(item, dict):
             for key in item:
-                if isinstance(key, str) and not _is_unicode(key):
+                if isinstance(key, str) and not is_unicode(key):
                     check_unicode(key, f"a key of {_path(path)}")
             # (parent's path, key): made into text only for the error.
             stack.extend((v, (path, k)) for k, v in reversed(item.items()))
         elif isinstance(item, list):
             stack.extend((v, (path, i)) for i, v in reversed(list(enumerate(item))))
-
-
-def _is_unicode(text: str) -> bool:
-    if text.isascii():  # O(1) for CPython's compact ASCII strings
-        return True
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _path(path: Any) -> str:
