@@ -1,5 +1,5 @@
-"""The updates staged on every replica while the pool is paused, sent again to a replica that
-restarted meanwhile.
+"""What a replica that restarted meanwhile gets of the pool's held state: its pause, with the
+updates the others staged since the pause, and the memory the pool has released.
 
 A restarted replica gets the pool's committed weights, then the pool's pause; without the
 updates the others staged since the pause it would hold none of them, and at the pool's
@@ -19,7 +19,22 @@ from rollout.pool.supervisor import StaleWeights
 Update = tuple
 
 
-async def restage(replica: Replica, pending: list[Update]) -> None:
+async def hold_as_the_others(
+    replica: Replica, paused: str | None, pending: list[Update], released: set[str]
+) -> None:
+    """Pauses `replica` as the pool is paused (mode `paused`; None: not paused) with `pending`
+    staged again, and releases the `released` memory tags, also when the rest fails (a replica
+    left stale gives its memory back too: the pool's resume reaches it)."""
+    try:
+        if paused is not None:
+            await replica.call("pause_generation", mode=paused)
+            await _restage(replica, pending)
+    finally:
+        if released:
+            await replica.call("release_memory_occupation", tags=sorted(released))
+
+
+async def _restage(replica: Replica, pending: list[Update]) -> None:
     """Stages `pending` on `replica` (paused), in order. StaleWeights, before anything is
     sent, when one cannot be sent again: a broadcast, or tensors the pool kept no copy of."""
     for method, _, _, _, copied in pending:

@@ -30,7 +30,7 @@ from typing import Any
 from rollout.errors import InvalidRequest, RequestError, WeightSyncError
 from rollout.pool.adapter_source import AdapterSources
 from rollout.pool.replica import Replica, ReplicaDead
-from rollout.pool.staged import restage
+from rollout.pool.staged import hold_as_the_others
 from rollout.pool.supervisor import StaleWeights, Supervisor
 from rollout.pool.weight_source import Snapshot, WeightSource
 
@@ -351,18 +351,9 @@ class PoolWeights:
             try:
                 await self._bring_up(replica)
             except StaleWeights:
-                await self._hold_as_the_others(replica, [])
+                await hold_as_the_others(replica, self.paused, [], self.released)
                 raise
-            await self._hold_as_the_others(replica, self.pending)
-
-    async def _hold_as_the_others(self, replica: Replica, pending: list[tuple]) -> None:
-        try:
-            if self.paused is not None:
-                await replica.call("pause_generation", mode=self.paused)
-                await restage(replica, pending)
-        finally:  # a replica that stays stale gives its memory back too
-            if self.released:
-                await replica.call("release_memory_occupation", tags=sorted(self.released))
+            await hold_as_the_others(replica, self.paused, self.pending, self.released)
 
     async def _bring_up(self, replica: Replica) -> None:
         """StaleWeights (before anything is pushed) when the pool lacks a copy of what it
