@@ -213,3 +213,30 @@ def test_fp8_kv_cache_on_the_gpu_backends_matches_the_torch_backend(tmp_path):
     for options in ({"disable_cuda_graph": True}, {"cuda_graph_max_bs": 16}):
         outs = _generate(path, attention_backend="flashinfer", triton_decode_max_batch=4, **fp8, **options)
         _assert_same_greedy(outs, reference, BACKEND_TOL, BACKEND_TIE)
+
+
+def test_decode_graphs_past_what_the_default_workspace_holds_match_eager(tmp_path_factory):
+    """Decode graphs of up to 600 rows with Qwen2.5-7B's heads (28 query heads over 4 KV
+    heads): a graph's split-KV plan reserves partial outputs for every tile its rows could
+    make, past FlashInfer's recommended 128 MiB workspace from about 400 rows. The engine sizes
+    the workspace for its largest graph, and a 300-row batch replayed from a graph gives the
+    eager run's tokens and logprobs."""
+    if not package_imports("flashinfer"):
+        pytest.skip("needs flashinfer")
+    heads = {"num_attention_heads": 28, "num_key_value_heads": 4}
+    path = str(tmp_path_factory.mktemp("tiny-7b-heads"))
+    make_tiny_model(path, "qwen3", seed=5, head_dim=128, **heads)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 800) for _ in range(rng.randint(3, 20))] for _ in range(300)]
+    params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 5}
+    options = {
+        **COMMON, "attention_backend": "flashinfer", "decode_attention_backend": "flashinfer",
+        "chunked_prefill_size": 8192, "max_running_requests": 600,
+    }  # fmt: skip
+    outs = {}
+    for name, extra in (("eager", {"disable_cuda_graph": True}), ("graphs", {"cuda_graph_max_bs": 600})):
+        with RolloutEngine(path, **options, **extra) as engine:
+            outs[name] = engine.generate(
+                input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2
+            )
+    _assert_same_greedy(outs["graphs"], outs["eager"], GRAPH_TOL, GRAPH_TIE)

@@ -33,6 +33,9 @@ class AttentionShape:
     kv_dtype: torch.dtype | None = None  # the KV cache's element type; None: dtype
     # Most requests in one CUDA graph replay (None: max_batch_size); larger batches run eagerly.
     max_graph_batch_size: int | None = None
+    # The largest extend replayed from a graph: its new tokens over at most this many requests.
+    max_graph_extend_tokens: int = 0
+    max_graph_extend_requests: int = 0
 
     @property
     def graph_batch_size(self) -> int:

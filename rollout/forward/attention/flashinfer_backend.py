@@ -21,8 +21,9 @@ from rollout.forward.attention.base import Attention, AttentionBackend, Attentio
 from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 from rollout_kernels.kv_store import store_kv
 
-# The split-KV scratch space every wrapper shares (FlashInfer recommends 128 MiB).
-WORKSPACE_BYTES = 128 << 20
+# The split-KV scratch space every wrapper shares: FlashInfer recommends 128 MiB, what eager plans
+# fit in; graphs of many rows need more (workspace_bytes).
+MIN_WORKSPACE_BYTES = 128 << 20
 _PAGE_SIZE = 1
 _KERNELS = "fa2"
 
@@ -45,6 +46,45 @@ def speed_up_plans(flashinfer) -> None:
         module = getattr(flashinfer, name, None)
         if module is not None and "max" not in vars(module):
             module.max = tensor_aware_max
+
+
+def _cta_tile_q(packed_qo_len: int, head_dim: int) -> int:
+    """The query rows of a thread block that FlashInfer's FA2 prefill plan picks for queries of
+    up to packed_qo_len rows (query tokens times the GQA group) on sm80 and newer."""
+    if head_dim >= 512:
+        return 16 if packed_qo_len <= 32 else 32
+    if packed_qo_len > 64 and head_dim < 256:
+        return 128
+    return 64 if packed_qo_len > 16 else 16
+
+
+def graph_split_bytes(shape: AttentionShape, rows: int, requests: int, num_sms: int) -> int:
+    """The float workspace a prefill-kernel plan made for a CUDA graph of `rows` query tokens
+    over `requests` requests reserves for split-KV partial outputs and their softmax sums (the
+    tensor-core decode kernels plan this way too, a query token a request). A graph's plan sizes
+    them for any lengths the graph may replay: a piece for every tile of query rows the
+    requests could make, and at least as many as two thread blocks an SM would take."""
+    group = shape.num_heads // shape.num_kv_heads
+    tile = _cta_tile_q((rows - requests + 1) * group, shape.head_dim)
+    pieces = max(2 * num_sms // shape.num_kv_heads, -(-rows * group // tile) + requests - 1)
+    return shape.num_heads * pieces * tile * (shape.head_dim + 1) * 4  # float32
+
+
+def workspace_bytes(shape: AttentionShape, num_sms: int) -> int:
+    """The float workspace for every plan the backend makes, with 1 MiB for the allocator's
+    alignment, and at least FlashInfer's recommended 128 MiB. An eager plan splits keys only
+    into as many pieces as two thread blocks an SM would take, of at most the largest query
+    tile; a graph's plan as its decode graphs (a request a row) or extend graphs (a padding
+    request after the real ones) need."""
+    kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
+    most_tile = _cta_tile_q(1 << 30, head_dim)
+    need = shape.num_heads * (2 * num_sms // kv_heads) * most_tile * (head_dim + 1) * 4
+    for rows in range(1, shape.graph_batch_size + 1):
+        need = max(need, graph_split_bytes(shape, rows, rows, num_sms))
+    for tokens in range(1, shape.max_graph_extend_tokens + 1):
+        requests = min(shape.max_graph_extend_requests, tokens) + 1
+        need = max(need, graph_split_bytes(shape, tokens, requests, num_sms))
+    return max(MIN_WORKSPACE_BYTES, need + (1 << 20))
 
 
 def host_indptr(lengths: list[int]) -> torch.Tensor:
@@ -78,7 +118,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._flashinfer = flashinfer
         speed_up_plans(flashinfer)
         self.shape = shape
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=shape.device)
+        cuda = shape.device.type == "cuda"  # (tests plan on the CPU with a stand-in module)
+        sms = torch.cuda.get_device_properties(shape.device).multi_processor_count if cuda else 1
+        self.workspace = torch.zeros(
+            workspace_bytes(shape, sms), dtype=torch.uint8, device=shape.device
+        )
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=True, backend=_KERNELS
         )
