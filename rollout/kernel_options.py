@@ -67,7 +67,7 @@ class KernelOptions:
     cuda_graph_max_bs: int | None = _opt(
         None,
         "largest decode batch replayed from a CUDA graph (capped by max_running_requests); "
-        "larger batches run eagerly. Default 256 at tp_size 1, 512 above",
+        "larger batches run eagerly. Default 1024 at tp_size 1, 512 above",
     )
     cuda_graph_max_extend_tokens: int = _opt(
         512,

@@ -162,9 +162,10 @@ def test_sampling_takes_the_kernel_from_a_few_dozen_filtered_rows_or_unfiltered(
 def test_cuda_graphs_where_the_backends_capture_up_to_the_smallest_bound(packages):
     packages("flashinfer", "triton")
     plan = plan_for(CUDA, torch.bfloat16)
-    assert plan.cuda_graphs and plan.cuda_graph_max_bs == 256
-    # Unset, the bound is 256 rows at tp 1 and 512 at tp > 1 (still capped by the requests).
-    assert plan_for(CUDA, torch.bfloat16, max_running_requests=1024).cuda_graph_max_bs == 256
+    assert plan.cuda_graphs and plan.cuda_graph_max_bs == 1024
+    # Unset, the bound is 1024 rows at tp 1 and 512 at tp > 1 (still capped by the requests).
+    assert plan_for(CUDA, torch.bfloat16, max_running_requests=2048).cuda_graph_max_bs == 1024
+    assert plan_for(CUDA, torch.bfloat16, max_running_requests=700).cuda_graph_max_bs == 700
     assert plan_for(CUDA, torch.bfloat16, tp_size=2, max_running_requests=1024).cuda_graph_max_bs == 512
     assert plan_for(CUDA, torch.bfloat16, tp_size=2, max_running_requests=300).cuda_graph_max_bs == 300
     assert plan_for(CUDA, torch.bfloat16, cuda_graph_max_bs=64).cuda_graph_max_bs == 64
@@ -247,7 +248,7 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
         "attention_backend": "flashinfer", "decode_backend": "triton", "decode_max_batch": 32,
         "fused_kernels": True, "skinny_gemm_max_rows": 16,
         "skinny_gemm_min_weight": SKINNY_MIN_WEIGHT,
-        "cuda_graphs": True, "cuda_graph_max_bs": 256, "sampling_kernel": True,
+        "cuda_graphs": True, "cuda_graph_max_bs": 1024, "sampling_kernel": True,
         "sampling_kernel_min_rows": 32, "deterministic_inference": False,
         "sampling_per_filter_set": False, "logprob_kernel": True,
         "allreduce_fusion": False, "symm_mem_allreduce_min_rows": 0,
@@ -256,7 +257,7 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
     }  # fmt: skip
     assert str(plan) == (
         "attention flashinfer, decode triton up to batch 32, fused kernels on, skinny GEMM up to "
-        "16 rows, CUDA graphs up to batch 256 and extends up to 512 tokens, sampling kernel"
+        "16 rows, CUDA graphs up to batch 1024 and extends up to 512 tokens, sampling kernel"
     )
 
 

@@ -32,11 +32,11 @@ DECODE_AUTO = {"flashinfer": "triton"}
 # faster (Qwen2.5-7B's q/k/v and o projections; the skinny kernel wins on gate/up, down and the
 # LM head: benchmarks/bench_gemv.py, benchmarks/RESULTS.md).
 SKINNY_MIN_WEIGHT = 1 << 25
-# Decode batches replayed from CUDA graphs by default. At tp > 1 an eager decode step of 257-512
-# rows is bound by the host, and Llama-3.1-8B's long rollouts gain from graphs to 512; at tp 1
-# the nano workload, whose batches never pass 256 rows, was slower with graphs to 512 than to
-# 256 (benchmarks/RESULTS.md, twenty-seventh and twenty-eighth sessions).
-GRAPH_MAX_BS = 256
+# Decode batches replayed from CUDA graphs by default. An eager decode step of several hundred
+# rows leaves the device waiting on the host's launches: Llama-3.1-8B's long rollouts at tp 2
+# gain from graphs to 512, and the rl workload at tp 1 (up to 1,024 samples at once) from
+# graphs to 1,024 (benchmarks/RESULTS.md, twenty-seventh and fortieth sessions).
+GRAPH_MAX_BS = 1024
 GRAPH_MAX_BS_TP = 512
 # With filters (top-k, top-p, min-p) the sampling kernel gives one program to one row, which
 # beats torch's ops only from a few dozen rows on (benchmarks/RESULTS.md); without
