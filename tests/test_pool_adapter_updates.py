@@ -403,6 +403,19 @@ def test_the_pool_reports_an_adapters_label_once_when_serving_replicas_agree():
     assert "lora_weight_versions_differ" not in merged
 
 
+def test_the_pool_sums_the_replicas_sessions_and_the_kv_they_keep():
+    from rollout.pool.server_info import merge_info
+
+    def info(sessions: int, pinned: int, tokens: int) -> dict:
+        keys = ("open_sessions", "sessions_with_pinned_kv", "kv_pinned_by_sessions")
+        return dict(zip(keys, (sessions, pinned, tokens)))
+
+    states, routing = [{"state": "serving"}] * 2, [{}] * 2
+    merged = merge_info([info(2, 1, 40), info(3, 2, 70)], states, routing, {})
+    assert (merged["open_sessions"], merged["sessions_with_pinned_kv"]) == (5, 3)
+    assert merged["kv_pinned_by_sessions"] == 110
+
+
 def test_server_info_answers_while_no_replica_does():
     """`rollout router` while every worker is down (restarting): the pool's own state, each
     replica's, and no sizes, instead of a 500."""

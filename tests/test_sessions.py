@@ -115,6 +115,27 @@ def test_a_session_keeps_its_kv_while_other_requests_fill_the_pool(engine):
     _assert_pool_whole(engine)
 
 
+def test_server_info_counts_open_sessions_and_the_kv_they_keep(engine):
+    def counts() -> tuple[int, int, int]:
+        info = engine.get_server_info()
+        return info["open_sessions"], info["sessions_with_pinned_kv"], info["kv_pinned_by_sessions"]
+
+    assert counts() == (0, 0, 0)
+    kept = 12 + GREEDY["max_new_tokens"] - 1  # a finished turn's KV: all but its newest token
+    first, second = SessionRollout(engine), SessionRollout(engine)
+    assert counts() == (2, 0, 0)  # open, nothing kept yet
+    first.turn(_ids(40, 12), GREEDY)
+    second.turn(_ids(41, 12), GREEDY)
+    assert counts() == (2, 2, 2 * kept)
+    first.turn(_ids(42, 3), GREEDY)  # the second turn extends the path the first one kept
+    assert counts() == (2, 2, 2 * kept + 3 + GREEDY["max_new_tokens"])
+    first.close()
+    assert counts() == (1, 1, kept)
+    second.close()
+    assert counts() == (0, 0, 0)
+    _assert_pool_whole(engine)
+
+
 def test_offset_and_replace_branch_a_session(engine):
     sid = engine.open_session(1000)
     try:

@@ -183,4 +183,6 @@ class KVManager:
             "kv_evictable": self.cache.evictable_size(),
             "kv_stale": self._stale_size(),
             "kv_in_requests": self.num_slots - self.allocator.available() - held,
+            "kv_pinned_by_sessions": self.pins.pinned_tokens(),
+            "sessions_with_pinned_kv": self.pins.pinned_sessions(),
         }

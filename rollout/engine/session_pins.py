@@ -52,6 +52,19 @@ class SessionPins:
     def pinned_sessions(self) -> int:
         return len(self.nodes)
 
+    def pinned_tokens(self) -> int:
+        """Tokens of the cached paths the sessions lock, each counted once (sessions that
+        branch from one turn share its path)."""
+        seen: set[int] = set()
+        total = 0
+        for nodes in self.nodes.values():
+            for node in nodes:
+                while node.parent is not None and id(node) not in seen:
+                    seen.add(id(node))
+                    total += len(node)
+                    node = node.parent
+        return total
+
 
 def _unlocked_len(node: TreeNode) -> int:
     """Tokens on the path to `node` that no lock protects yet."""

@@ -198,8 +198,10 @@ class TokenizerManager:
             self._staged_model_path = None
         elif isinstance(call, DiscardStagedWeights):
             self._staged_model_path = None
-        elif isinstance(call, GetServerInfo) and isinstance(result, dict) and "model_path" in self.info:
-            result["model_path"] = self.info["model_path"]
+        elif isinstance(call, GetServerInfo) and isinstance(result, dict):
+            result["open_sessions"] = len(self.sessions.sessions)
+            if "model_path" in self.info:
+                result["model_path"] = self.info["model_path"]
 
     async def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str:
         """Opens a session (sessions.py); returns its id."""

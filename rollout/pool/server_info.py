@@ -11,7 +11,8 @@ SUMMED = (
     "num_running", "num_waiting", "max_total_tokens", "kv_total", "kv_free", "kv_cached",
     "kv_evictable", "kv_stale", "kv_in_requests", "prompt_tokens", "cached_tokens",
     "generated_tokens", "retractions", "kv_cache_bytes", "weight_update_staged",
-    "pipeline_drains", "device_busy_s",
+    "pipeline_drains", "device_busy_s", "open_sessions", "sessions_with_pinned_kv",
+    "kv_pinned_by_sessions",
 )  # fmt: skip
 
 
