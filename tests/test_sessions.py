@@ -296,20 +296,28 @@ def test_run_turns_steps_many_sessions_in_one_call(engine):
 
 def test_a_request_needing_the_kv_sessions_keep_takes_it_instead_of_waiting(engine):
     """Sessions pin up to half the pool; a request that fits the pool but not what the pins
-    leave gets the sessions' KV (their next turns recompute it) instead of waiting forever."""
+    leave gets the KV of the sessions used least recently (their next turns recompute it)
+    instead of waiting forever, and the others keep theirs."""
     rollouts = [SessionRollout(engine) for _ in range(5)]
     try:
         run_turns(engine, rollouts, [_ids(300 + i, 100) for i in range(5)], [GREEDY] * 5)
+        rollouts[0].turn(_ids(320, 2), GREEDY)  # now the most recently used
         info = engine.get_server_info()
-        assert info["kv_cached"] - info["kv_evictable"] > 1024 - 700, info  # pinned
+        assert info["kv_pinned_by_sessions"] > 1024 - 700, info
+        pinned = info["sessions_with_pinned_kv"]
 
         async def big():
             request = engine.async_generate(input_ids=_ids(310, 700), sampling_params=GREEDY)
             return await asyncio.wait_for(request, 60)
 
         assert asyncio.run(big())["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
-        later = rollouts[0].turn(_ids(311, 2), GREEDY)
-        assert later["meta_info"]["prompt_tokens"] == 100 + 6 + 2
+        info = engine.get_server_info()
+        assert 0 < info["sessions_with_pinned_kv"] < pinned, info
+        kept = rollouts[0].turn(_ids(311, 2), GREEDY)["meta_info"]
+        assert kept["prompt_tokens"] == 100 + 6 + 2 + 6 + 2
+        assert kept["cached_tokens"] == 100 + 6 + 2 + 6 - 1  # its KV was kept
+        lost = rollouts[1].turn(_ids(312, 2), GREEDY)["meta_info"]  # used least recently
+        assert lost["prompt_tokens"] == 100 + 6 + 2 and lost["cached_tokens"] < 100 + 6 - 1
     finally:
         for r in rollouts:
             r.close()

@@ -151,16 +151,17 @@ class KVManager:
 
     def yield_pins(self) -> bool:
         """The pool can't supply what a queued or running request needs and nothing in flight
-        will free any: the sessions' kept KV becomes evictable (their next turns recompute
-        what is evicted). False if no session kept any."""
+        will free any: the KV kept by the session used least recently becomes evictable (its
+        next turn recomputes what is evicted). False if no session kept any."""
         if not self.pins.nodes:
             return False
+        session_id = self.pins.unpin_least_recent(self.cache)
         logger.warning(
-            "KV pool full: %d open sessions' cached turns are no longer kept, for requests "
-            "that need the room (their next turns recompute them)",
+            "KV pool full: session %r's cached turns are no longer kept, for requests that need "
+            "the room (its next turn recomputes them); %d sessions still keep theirs",
+            session_id,
             self.pins.pinned_sessions(),
         )
-        self.pins.unpin_all(self.cache)
         return True
 
     def close_session(self, session_id: str) -> None:

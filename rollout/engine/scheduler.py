@@ -187,10 +187,12 @@ class Scheduler:
         batch = None
         if not self.holds:
             batch = self._plan()
-            # Nothing fits and nothing in flight will free KV: what sessions keep must yield.
+            # Nothing fits and nothing in flight will free KV: what sessions keep must yield,
+            # a session at a time, until something fits.
             stalled = batch is None and self.has_requests() and self.pipeline.in_flight is None
-            if stalled and self.kv.yield_pins():
+            while stalled and self.kv.yield_pins():
                 batch = self._plan()
+                stalled = batch is None
         self.pipeline.push(batch)
         return self.take_reports()
 

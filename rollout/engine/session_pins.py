@@ -7,8 +7,9 @@ when the weights change (KV of older weights is never reused): a later turn then
 what it no longer finds. Sessions never lock more than MAX_PINNED_SHARE of the pool (counting
 the prefixes running requests lock): beyond that a turn's KV stays in the cache unpinned, so
 open sessions can't starve new requests of KV. A request that needs more than the pins leave
-(up to the whole pool) gets it: when nothing can run, every session's pins go
-(KVManager.yield_pins) and the sessions' next turns recompute what was evicted.
+(up to the whole pool) gets it: when nothing can run, the sessions' pins go, least recently
+used first, until something can (KVManager.yield_pins), and those sessions' next turns
+recompute what was evicted.
 """
 
 from __future__ import annotations
@@ -38,12 +39,20 @@ class SessionPins:
         if cache.protected_size() + _unlocked_len(node) > self.limit:
             return
         cache.lock(node)
-        self.nodes.setdefault(session_id, []).append(node)
+        nodes = self.nodes.pop(session_id, [])  # to the end: the sessions go in order of use
+        nodes.append(node)
+        self.nodes[session_id] = nodes
 
     def unpin(self, cache: RadixCache, session_id: str) -> None:
         """Unlocks what the session locked (its KV stays cached, evictable)."""
         for node in self.nodes.pop(session_id, []):
             cache.unlock(node)
+
+    def unpin_least_recent(self, cache: RadixCache) -> str:
+        """Unlocks what the session whose last turn finished longest ago locked; its id."""
+        session_id = next(iter(self.nodes))
+        self.unpin(cache, session_id)
+        return session_id
 
     def unpin_all(self, cache: RadixCache) -> None:
         for session_id in list(self.nodes):
