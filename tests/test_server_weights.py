@@ -99,7 +99,12 @@ def test_a_tensor_update_with_abort_all_requests_ends_the_requests_in_flight(adm
      ("/update_weights_from_disk", {"model_path": "/x", "weight_version": 5}, "weight_version"),
      ("/update_weights_from_tensor", {"tensor_handles": {}, "flush_cache": "no"}, "flush_cache"),
      ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "29500",
-                                     "rank_offset": 1, "world_size": 2}, "master_port")],
+                                     "rank_offset": 1, "world_size": 2}, "master_port"),
+     ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29500,
+                                     "rank_offset": 1, "world_size": 2, "timeout_s": "1"}, "timeout_s"),
+     ("/update_weights_from_distributed", {"names": [NAME], "dtypes": ["float32"], "shapes": [["4"]],
+                                           "group_name": "g"}, "shapes"),
+     ("/release_memory_occupation", {"tags": ["kv_cache", 1]}, "tags")],
 )  # fmt: skip
 def test_a_weight_body_of_the_wrong_types_is_refused_not_converted(admin, path, body, field):
     version = admin.get_weight_version()

@@ -49,15 +49,16 @@ def _body(name: str, call: type[ControlCall], **fields: Any) -> type[BaseModel]:
 
 
 def _strict(kind: Any) -> Any:
-    """A bool, int or str field (optional or not) taken as sent: "yes" is no bool, "5" no int.
-    Other fields keep pydantic's conversions (a JSON list for a tuple field)."""
-    args = typing.get_args(kind)
-    if kind in (bool, int, str):
+    """`kind` with its bool, int, float and str parts taken as sent, in optional fields and in
+    tuples too: "yes" is no bool, "5" no int, "30" no float, [["4"]] no shape. A JSON list
+    still makes a tuple."""
+    if kind in (bool, int, float, str):
         return Annotated[kind, Strict()]
-    if typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) == 1 and rest[0] in (bool, int, str):
-            return Annotated[rest[0], Strict()] | None
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[tuple(_strict(a) for a in args)]  # noqa: UP007 - built from a tuple
+    if origin is tuple:
+        return tuple[tuple(a if a is Ellipsis else _strict(a) for a in args)]
     return kind
 
 
