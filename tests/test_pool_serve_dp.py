@@ -63,9 +63,11 @@ def test_a_grpo_group_lands_on_one_replica(server):
 def test_admin_calls_reach_both_replicas(server):
     client = server["client"]
     assert client.flush_cache()["success"]
-    client.update_weights_from_disk(client.get_server_info()["model_path"], weight_version="same")
-    versions = {r["info"]["weight_version"] for r in client.get_server_info()["replicas"]}
-    assert versions == {"same"}
+    before = client.get_server_info()
+    client.update_weights_from_disk(before["model_path"], weight_version="same")
+    info = client.get_server_info()
+    assert {r["info"]["weight_version"] for r in info["replicas"]} == {"same"}
+    assert info["weight_updates"] == before["weight_updates"] + 1  # the pool's, not a sum
 
 
 def test_sigterm_stops_the_server_and_its_replicas_with_status_0(server):

@@ -330,6 +330,33 @@ def test_a_refusal_while_paused_drops_every_update_staged_since_the_pause():
     asyncio.run(run())
 
 
+def test_the_pool_counts_the_weight_changes_it_committed():
+    """As one engine counts them (a continue applying staged updates is one change, a refused
+    update none), and not reset by a replica's restart."""
+
+    async def run() -> None:
+        replicas, sup, weights = _pool(2)
+        await sup.start_all()
+        for path in ("/ckpt/a", "/ckpt/b", "/ckpt/c"):
+            await _disk(weights, path)
+        assert weights.weight_updates == 3
+        await weights.pause("in_place")
+        await _disk(weights, "/ckpt/d", "d")
+        await _disk(weights, "/ckpt/e")
+        await weights.resume_generation()
+        assert weights.weight_updates == 4
+        await weights.relabel("renamed", False)  # a new label, the same weights
+        replicas[1].refuse.add("update_weights_from_disk")
+        with pytest.raises(ValueError, match="refused"):
+            await _disk(weights, "/ckpt/f")
+        sup.mark_dead(0, "killed")
+        await _settle(sup)
+        assert replicas[0].starts == 2 and replicas[0].weights == "/ckpt/e"
+        assert weights.weight_updates == 4
+
+    asyncio.run(run())
+
+
 def test_after_a_broadcast_a_restart_is_stale_until_a_checkpoint_comes():
     async def run() -> None:
         replicas, sup, weights = _pool(2)

@@ -72,6 +72,7 @@ class PoolCalls:
             infos[i] = None if isinstance(answer, BaseException) else answer
         pool = {
             "weight_version": self.weights.source.version,
+            "weight_updates": self.weights.weight_updates,
             "generation_paused": self.weights.paused,
             "weight_group_ranks": sum(r.ranks for r in sup.replicas),
             "num_replicas": len(sup.replicas),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 # Counts and sizes that add up over replicas; every other key is replica 0's (the model, the
-# options), but for the pool's own (weight_version, generation_paused).
+# options), but for the pool's own (weight_version, weight_updates, generation_paused).
 SUMMED = (
     "num_running", "num_waiting", "max_total_tokens", "kv_total", "kv_free", "kv_cached",
     "kv_evictable", "kv_stale", "kv_in_requests", "prompt_tokens", "cached_tokens",

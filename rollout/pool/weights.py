@@ -58,6 +58,9 @@ class PoolWeights:
         self.pending: list[tuple] = []  # the updates staged meanwhile, recorded at continue
         self.groups: dict[str, Group] = {}
         self.released: set[str] = set()  # the memory tags every replica has released
+        # Commits of new base-model weights on every replica (as one engine counts them: a
+        # continue applying several staged updates is one), whatever a restart resets.
+        self.weight_updates = 0
 
     # ---- updates ------------------------------------------------------------------------------
     async def update(
@@ -93,6 +96,7 @@ class PoolWeights:
                 await self._commit(targets, None, {lora: label})
             else:
                 await self._commit(targets, label)
+                self.weight_updates += 1
             self._record(update, label)
             await self._refresh_stale()
             return self._result(method, targets, label, lora)
@@ -117,6 +121,8 @@ class PoolWeights:
         """The updates staged while the pool was paused now serve: the base model's under
         `label`, each adapter's under the last label staged for it (one unloaded meanwhile
         was dropped by every replica)."""
+        if label is not None and any(u[2].get("lora_name") is None for u in self.pending):
+            self.weight_updates += 1
         for update in self.pending:
             lora = update[2].get("lora_name")
             if lora is None and label is not None:
