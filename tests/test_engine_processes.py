@@ -49,6 +49,18 @@ def test_shutdown_stops_every_subprocess(tiny_qwen3):
         engine.generate("hello")
 
 
+def test_the_scheduler_keeps_its_start_up_heap_out_of_collections_and_the_caller_its_own(tiny_qwen3):
+    """The scheduler process's full collections walk only what serving allocates; the caller's
+    process (a trainer's) is left as it was."""
+    import gc
+
+    caller = gc.get_freeze_count()
+    with RolloutEngine(tiny_qwen3, device="cpu") as engine:
+        engine.generate("hello", {"max_new_tokens": 2})
+        assert engine.get_server_info()["heap_frozen_objects"] > 10_000  # torch's, the model's
+        assert gc.get_freeze_count() == caller
+
+
 def test_a_shutdown_ends_the_calls_in_flight_with_an_error(tiny_qwen3):
     engine = RolloutEngine(tiny_qwen3, device="cpu")
     long = {"max_new_tokens": 3000, "ignore_eos": True}

@@ -107,6 +107,7 @@ def run_detokenizer_process(tokenizer_path: str, addrs: Addresses, parent_pid: i
     import zmq
     from transformers import AutoTokenizer
 
+    from rollout.engine.heap import startup_heap_frozen
     from rollout.engine.messages import ControlReply, ReqOutputBatch, SchedulerFailed, is_control
     from rollout.engine.processes import watch_parent
 
@@ -122,20 +123,21 @@ def run_detokenizer_process(tokenizer_path: str, addrs: Addresses, parent_pid: i
     except Exception as e:  # noqa: BLE001 - reported to the caller, who raises it
         send.send_pyobj(SchedulerFailed(f"detokenizer failed to start: {e!r}"))
         return
-    while True:
-        frames = recv.recv_multipart()
-        if is_control(frames):  # a control reply: plain data, passed on as it is
-            send.send_multipart(frames)
-            if ControlReply.from_frames(frames).last:
+    with startup_heap_frozen():
+        while True:
+            frames = recv.recv_multipart()
+            if is_control(frames):  # a control reply: plain data, passed on as it is
+                send.send_multipart(frames)
+                if ControlReply.from_frames(frames).last:
+                    break
+                continue
+            msg = pickle.loads(frames[0])
+            if isinstance(msg, ReqOutputBatch):
+                for out in msg.outputs:
+                    detok.process_or_fail(out)
+            send.send_pyobj(msg)
+            if isinstance(msg, SchedulerFailed):
                 break
-            continue
-        msg = pickle.loads(frames[0])
-        if isinstance(msg, ReqOutputBatch):
-            for out in msg.outputs:
-                detok.process_or_fail(out)
-        send.send_pyobj(msg)
-        if isinstance(msg, SchedulerFailed):
-            break
     send.close(linger=1000)
     recv.close(linger=0)
     ctx.term()

@@ -22,6 +22,7 @@ from rollout.config import EngineOptions
 from rollout.engine.decode_planner import DecodePlanner
 from rollout.engine.grammar_backend import GrammarBackend
 from rollout.engine.grammar_queue import GrammarQueue
+from rollout.engine.heap import frozen_objects
 from rollout.engine.kv_manager import KVManager
 from rollout.engine.launched_step import LaunchedStep, ReqStepOutput
 from rollout.engine.lora_calls import LoadLoraAdapter, UnloadLoraAdapter
@@ -357,6 +358,7 @@ class Scheduler:
             **self.kv.usage(),
             **self.stats,
             "device_busy_by_step": self.device_busy_by_step,
+            "heap_frozen_objects": frozen_objects(),  # the scheduler process's (heap.py)
         }
 
 

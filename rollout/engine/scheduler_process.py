@@ -24,6 +24,7 @@ from rollout.engine.control_calls import (
     GetServerInfo,
     Shutdown,
 )
+from rollout.engine.heap import startup_heap_frozen
 from rollout.engine.kernel_compiles import process_compiles
 from rollout.engine.lora_calls import LORA_CALLS
 from rollout.engine.messages import (
@@ -289,7 +290,8 @@ def run_scheduler_process(
         if proc.runner.device.type == "cuda" and not options.scheduler.skip_server_warmup:
             proc.warm_up()
         send.send_pyobj(SchedulerReady(proc.info))
-        proc.loop(recv, send)
+        with startup_heap_frozen():
+            proc.loop(recv, send)
     except BaseException:  # noqa: BLE001 - every failure must reach the caller
         send.send_pyobj(SchedulerFailed(traceback.format_exc()))
     finally:
@@ -321,7 +323,8 @@ def _follow(ctx: zmq.Context, options: EngineOptions, addrs: Addresses, rank: in
             **weights.handlers(),
             **adapters.handlers(),
         }
-        Follower(runner, handlers).run(recv, replies)
+        with startup_heap_frozen():
+            Follower(runner, handlers).run(recv, replies)
     except BaseException:  # noqa: BLE001 - every failure must reach the caller
         report.send_pyobj(
             SchedulerFailed(f"tensor-parallel rank {rank} failed:\n{traceback.format_exc()}")

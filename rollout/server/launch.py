@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import socket
 import sys
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from rollout.config import EngineOptions, check_model_path, option_fields
+from rollout.engine.heap import startup_heap_frozen
 from rollout.server.lifecycle import (
     EXIT_ENGINE_DIED,
     EngineServer,
@@ -119,11 +119,8 @@ def _serve(options: ServerOptions, engine_options: dict[str, Any], signals: Shut
             url = f"http://{options.host}:{options.port}"
             model = engine.options.model.model_path
             print(f"rollout: serving {model} on {url}", file=sys.stderr, flush=True)
-            # What start-up made (torch, transformers, the app) lives as long as the server:
-            # out of every later collection, whose full walks would otherwise hold the loop.
-            gc.collect()
-            gc.freeze()
-            serve_on_loop(server, engine, sock)
+            with startup_heap_frozen():  # torch, transformers, the app: the event loop's too
+                serve_on_loop(server, engine, sock)
         finally:
             engine.shutdown()
     return EXIT_ENGINE_DIED if server.engine_died else 0
