@@ -49,7 +49,7 @@ def test_shutdown_stops_every_subprocess(tiny_qwen3):
         engine.generate("hello")
 
 
-def test_the_scheduler_keeps_its_start_up_heap_out_of_collections_and_the_caller_its_own(tiny_qwen3):
+def test_the_scheduler_keeps_its_start_up_heap_out_of_collections(tiny_qwen3):
     """The scheduler process's full collections walk only what serving allocates; the caller's
     process (a trainer's) is left as it was."""
     import gc
