@@ -281,7 +281,9 @@ def timed_run(engine: RolloutEngine, prompts: list[list[int]], params: list[dict
     info = engine.get_server_info()
     compiled = compiled_between(before, info)
     steps = step_times(before.get("device_busy_by_step", {}), info.get("device_busy_by_step", {}))
-    extra = {"polls": polls[0], "compiled": compiled, "steps": steps}
+    was, now = (i.get("gc_seconds_by_generation", [0.0] * 3) for i in (before, info))
+    gc = [round(b - a, 3) for a, b in zip(was, now)]
+    extra = {"polls": polls[0], "compiled": compiled, "steps": steps, "gc_s": gc}
     return outs, seconds, info["device_busy_s"] - busy, {**info, **extra}
 
 
@@ -381,6 +383,8 @@ def main() -> None:
         # Triton kernel variants built inside the timed run (the scheduler process's), by kernel.
         "compiled_in_run": info["compiled"],
         "warmup_s": info.get("warmup_s"),  # the engine's, before it reported ready (GPU)
+        # The scheduler process's seconds in Python's collections during the run, by generation.
+        "scheduler_gc_s": info["gc_s"],
         # Rank 0's device time a step in the timed run, by step kind and decode batch size.
         "steps": info["steps"],
     }

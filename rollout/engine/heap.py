@@ -11,6 +11,7 @@ freeze their start-up heaps as well.
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -31,3 +32,43 @@ def startup_heap_frozen() -> Iterator[None]:
 def frozen_objects() -> int:
     """How many objects the process keeps out of the collector's walks."""
     return gc.get_freeze_count()
+
+
+class CollectorTime:
+    """The seconds this process spent in Python's collections so far, by generation (0, 1, 2):
+    each one a pause of the thread that set it off. Counted from `install` on; one per process
+    (collector_time)."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.counts = [0, 0, 0]
+        self._started = 0.0
+
+    def install(self) -> CollectorTime:
+        gc.callbacks.append(self._on_collection)
+        return self
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        generation = info["generation"]
+        self.seconds[generation] += time.perf_counter() - self._started
+        self.counts[generation] += 1
+
+    def info(self) -> dict:
+        return {
+            "gc_seconds_by_generation": [round(s, 6) for s in self.seconds],
+            "gc_collections_by_generation": list(self.counts),
+        }
+
+
+_process_collector_time: CollectorTime | None = None
+
+
+def collector_time() -> CollectorTime:
+    """This process's CollectorTime, counting from the first call."""
+    global _process_collector_time
+    if _process_collector_time is None:
+        _process_collector_time = CollectorTime().install()
+    return _process_collector_time

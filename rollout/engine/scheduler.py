@@ -22,7 +22,7 @@ from rollout.config import EngineOptions
 from rollout.engine.decode_planner import DecodePlanner
 from rollout.engine.grammar_backend import GrammarBackend
 from rollout.engine.grammar_queue import GrammarQueue
-from rollout.engine.heap import frozen_objects
+from rollout.engine.heap import collector_time, frozen_objects
 from rollout.engine.kv_manager import KVManager
 from rollout.engine.launched_step import LaunchedStep, ReqStepOutput
 from rollout.engine.lora_calls import LoadLoraAdapter, UnloadLoraAdapter
@@ -56,6 +56,7 @@ class Scheduler:
         self.chunked: Req | None = None  # mid-prefill; continues first in the next prefill
         self.weight_version = "default"
         self.weight_updates = 0  # weight changes committed, named or not (labels may repeat)
+        collector_time()  # counts the collections from here on
         # Why stepping is held (generation paused, memory released, ...): requests wait meanwhile.
         self.holds: set[str] = set()
         # Steps in flight applied early with requests left to run: each held their next launch.
@@ -358,7 +359,9 @@ class Scheduler:
             **self.kv.usage(),
             **self.stats,
             "device_busy_by_step": self.device_busy_by_step,
-            "heap_frozen_objects": frozen_objects(),  # the scheduler process's (heap.py)
+            # The scheduler process's heap (heap.py): what its collections skip, and cost.
+            "heap_frozen_objects": frozen_objects(),
+            **collector_time().info(),
         }
 
 
