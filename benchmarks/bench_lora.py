@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
-from benchmarks.bench_offline import compiled_between, step_times  # noqa: E402
+from benchmarks.run_counters import compiled_between, step_times  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402
 from rollout.models.lora_adapter import CONFIG_FILE, LORA_MODULES, WEIGHTS_FILE  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402

@@ -63,6 +63,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.run_counters import (  # noqa: E402
+    collector_seconds_between,
+    compiled_between,
+    step_times,
+)
 from benchmarks.workloads import (  # noqa: E402
     DEFAULT_MAX_LEN,
     DEFAULT_NUM_SEQS,
@@ -281,32 +286,9 @@ def timed_run(engine: RolloutEngine, prompts: list[list[int]], params: list[dict
     info = engine.get_server_info()
     compiled = compiled_between(before, info)
     steps = step_times(before.get("device_busy_by_step", {}), info.get("device_busy_by_step", {}))
-    was, now = (i.get("gc_seconds_by_generation", [0.0] * 3) for i in (before, info))
-    gc = [round(b - a, 3) for a, b in zip(was, now)]
+    gc = collector_seconds_between(before, info)
     extra = {"polls": polls[0], "compiled": compiled, "steps": steps, "gc_s": gc}
     return outs, seconds, info["device_busy_s"] - busy, {**info, **extra}
-
-
-def compiled_between(before: dict, after: dict) -> dict[str, int]:
-    """Triton kernel variants compiled between two get_server_info answers, by kernel."""
-    was = before.get("kernel_compiles_by_kernel", {})
-    now = after.get("kernel_compiles_by_kernel", {})
-    return {name: n - was.get(name, 0) for name, n in now.items() if n > was.get(name, 0)}
-
-
-def step_times(before: dict, after: dict) -> dict:
-    """The timed run's steps by kind (extend, decode by batch-size bucket): how many, and the
-    device's milliseconds a step, from get_server_info's device_busy_by_step before and after;
-    host_ms, the host's milliseconds queueing one (near device_ms: the device waited for it)."""
-    out = {}
-    for kind, now in after.items():
-        was = before.get(kind, {"steps": 0, "seconds": 0.0, "host_seconds": 0.0})
-        steps = now["steps"] - was["steps"]
-        if steps:
-            ms = 1000 * (now["seconds"] - was["seconds"]) / steps
-            host = 1000 * (now["host_seconds"] - was["host_seconds"]) / steps
-            out[kind] = {"steps": steps, "device_ms": round(ms, 3), "host_ms": round(host, 3)}
-    return out
 
 
 def timing(outs: list[dict], seconds: float, busy: float) -> dict:
