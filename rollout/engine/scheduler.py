@@ -56,7 +56,6 @@ class Scheduler:
         self.chunked: Req | None = None  # mid-prefill; continues first in the next prefill
         self.weight_version = "default"
         self.weight_updates = 0  # weight changes committed, named or not (labels may repeat)
-        collector_time()  # counts the collections from here on
         # Why stepping is held (generation paused, memory released, ...): requests wait meanwhile.
         self.holds: set[str] = set()
         # Steps in flight applied early with requests left to run: each held their next launch.
