@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 MAX_REQUESTS = 32
 
 
+def graph_requests(max_requests: int) -> int:
+    """The most requests an extend graph holds where a step may have up to max_requests."""
+    return min(MAX_REQUESTS, max_requests)
+
+
 def extend_token_buckets(max_tokens: int) -> list[int]:
     """The token counts to capture, ascending: powers of two from 8, and from 128 on their
     midpoints too (padding there stays under a third of a bucket), up to and including
@@ -87,7 +92,7 @@ class ExtendGraphRunner:
         self.device = device
         self.pool = pool
         self.buckets = extend_token_buckets(max_tokens)
-        self.max_requests = min(MAX_REQUESTS, max_requests)
+        self.max_requests = graph_requests(max_requests)
         self.inputs = GraphInputs(self.buckets[-1], device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [tokens, hidden] written by each replay

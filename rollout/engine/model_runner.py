@@ -15,8 +15,7 @@ import torch.distributed as dist
 from rollout.config import EngineOptions
 from rollout.engine.cuda_graph_runner import CudaGraphRunner
 from rollout.engine.device_ints import to_device
-from rollout.engine.extend_graph_runner import MAX_REQUESTS as MAX_EXTEND_REQUESTS
-from rollout.engine.extend_graph_runner import ExtendGraphRunner
+from rollout.engine.extend_graph_runner import ExtendGraphRunner, graph_requests
 from rollout.engine.launched_step import LaunchedStep, LogitRow, ReqStepOutput
 from rollout.engine.logprob_head import LogprobHead
 from rollout.engine.lora_manager import LoraManager
@@ -128,7 +127,7 @@ class ModelRunner:
             max_context_len=self.context_length,
             max_graph_batch_size=plan.cuda_graph_max_bs,  # 0 without graphs
             max_graph_extend_tokens=plan.extend_graph_max_tokens,
-            max_graph_extend_requests=min(MAX_EXTEND_REQUESTS, self.req_to_token.max_reqs - 1),
+            max_graph_extend_requests=graph_requests(self.req_to_token.max_reqs - 1),
         )
         self.attn_backend = create_attention_backend(
             plan.attention_backend, shape, plan.decode_attention
