@@ -13,7 +13,7 @@ from server_helpers import start_server, stop_server
 
 from rollout.engine.detokenizer import Detokenizer
 from rollout.engine.messages import ReqOutput
-from rollout.engine.output_builder import TokenText
+from rollout.engine.token_text import TokenText
 from rollout.server.openai_format import (
     chat_logprobs,
     completion_logprobs,

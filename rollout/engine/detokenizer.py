@@ -40,7 +40,7 @@ class Detokenizer:
         """Fills `out.text` with the request's new text; forgets the request once finished."""
         state = self.states.get(out.rid)
         if state is None:
-            state = DecodeState(out.decode_params or DecodeParams())
+            state = self._start(out.decode_params or DecodeParams())
             self.states[out.rid] = state
         reason = out.finish_reason or {}
         new_ids = out.new_ids
@@ -82,12 +82,18 @@ class Detokenizer:
             out.text = ""
             out.finish_reason = failure_reason("decoding its text", e)
 
+    def _start(self, params: DecodeParams) -> DecodeState:
+        """A request's state, its window opening on the prompt's last tokens: the first output
+        tokens' text is what they add after the prompt, as decoding the whole sequence gives
+        (a decoder may drop a text's first space). Not when those tokens end inside a
+        character, which the output's first bytes would complete."""
+        context = list(params.context_ids)
+        if context and self.tokenizer.decode(context, **_decode_kw(params)).endswith(REPLACEMENT):
+            context = []
+        return DecodeState(params, ids=context, read_offset=len(context))
+
     def _decode(self, state: DecodeState, final: bool) -> None:
-        p = state.params
-        kw = {
-            "skip_special_tokens": p.skip_special_tokens,
-            "spaces_between_special_tokens": p.spaces_between_special_tokens,
-        }
+        kw = _decode_kw(state.params)
         if state.read_offset == len(state.ids):
             return
         before = self.tokenizer.decode(state.ids[state.prefix_offset : state.read_offset], **kw)
@@ -97,6 +103,13 @@ class Detokenizer:
             state.text += after[len(before) :]
             state.prefix_offset = state.read_offset
             state.read_offset = len(state.ids)
+
+
+def _decode_kw(params: DecodeParams) -> dict[str, bool]:
+    return {
+        "skip_special_tokens": params.skip_special_tokens,
+        "spaces_between_special_tokens": params.spaces_between_special_tokens,
+    }
 
 
 def run_detokenizer_process(tokenizer_path: str, addrs: Addresses, parent_pid: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollout.engine.piece_bytes import REPLACEMENT, piece_bytes
+from rollout.engine.token_text import in_text_anchor
 
 
 def vocab_bytes(tokenizer: Any, vocab_size: int, skip_special_tokens: bool) -> list[bytes]:
@@ -29,8 +30,7 @@ def vocab_bytes(tokenizer: Any, vocab_size: int, skip_special_tokens: bool) -> l
     # Not len(tokenizer): some vocabularies skip ids.
     known = min(vocab_size, max(tokenizer.get_vocab().values()) + 1)
     # Each token is decoded after an "a", as in the middle of a text.
-    anchor = tokenizer.encode("a", add_special_tokens=False)[-1]
-    head = tokenizer.decode([anchor])
+    anchor, head = in_text_anchor(tokenizer)
     texts = tokenizer.batch_decode(
         [[anchor, i] for i in range(known)], skip_special_tokens=skip_special_tokens
     )

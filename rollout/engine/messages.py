@@ -153,6 +153,9 @@ class DecodeParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # The prompt's last tokens: the output's text is what it adds after them (a sentencepiece
+    # word "▁is" adds " is" after text, where alone it decodes to "is").
+    context_ids: tuple[int, ...] = ()
 
 
 # A logprob entry as the scheduler sends it: (logprob, token id). The caller gets

@@ -6,21 +6,7 @@ import asyncio
 from typing import Any
 
 from rollout.engine.messages import LogprobColumns, ReqOutput, TokenizedRequest
-
-
-class TokenText:
-    """Token id -> its text, memoized (logprob lists repeat the same ids a lot)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.cache[token_id] = self.tokenizer.decode([token_id])
-        return text
-
+from rollout.engine.token_text import TokenText
 
 # Logprob entries made between two turns of the event loop: a few ms of Python. A request's
 # hundreds of thousands of entries (top_logprobs_num over a long prompt) made at once held the

@@ -14,6 +14,9 @@ from rollout.engine.messages import DecodeParams, LogprobColumns, ReqOutput, Tok
 from rollout.engine.radix_cache import TreeNode
 from rollout.forward.forward_batch import ForwardMode
 
+# How many of the prompt's last tokens the detokenizer decodes the output after.
+DECODE_CONTEXT_TOKENS = 4
+
 
 @dataclass
 class Req:
@@ -118,6 +121,7 @@ class Req:
                 params.skip_special_tokens,
                 params.spaces_between_special_tokens,
                 params.no_stop_trim,
+                tuple(self.prompt_ids[-DECODE_CONTEXT_TOKENS:]),
             )
         out = ReqOutput(
             rid=self.rid,

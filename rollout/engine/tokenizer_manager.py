@@ -31,11 +31,12 @@ from rollout.engine.messages import (
     is_control,
     public_error,
 )
-from rollout.engine.output_builder import LogprobEntries, TokenText, build_output_on_loop
+from rollout.engine.output_builder import LogprobEntries, build_output_on_loop
 from rollout.engine.processes import Addresses
 from rollout.engine.request_validation import validate_for_model
 from rollout.engine.sampling_params import check_logit_bias
 from rollout.engine.sessions import SessionBook
+from rollout.engine.token_text import TokenText
 from rollout.errors import InvalidRequest
 from rollout.weight_sync.calls import (
     ContinueGeneration,

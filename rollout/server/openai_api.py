@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 
 from rollout.control import is_int
 from rollout.engine.chat_template import chat_ids
-from rollout.engine.output_builder import TokenText
 from rollout.engine.request_validation import encode_prompt
+from rollout.engine.token_text import TokenText
 from rollout.errors import InvalidRequest, InvalidRequestType, RequestError
 from rollout.server import chat_output
 from rollout.server.json_body import OffLoopRoute

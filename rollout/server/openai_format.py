@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 from typing import Any
 
-from rollout.engine.output_builder import TokenText
+from rollout.engine.token_text import TokenText
 from rollout.server.token_bytes import token_bytes
 
 # The most bytes of a character that can wait for the next token's (UTF-8's longest is four).
@@ -33,7 +33,12 @@ def completion_logprobs(
 
 
 def _legacy_logprobs(
-    entries: list, tops: list | None, text_of: TokenText, start: int, offset: int
+    entries: list,
+    tops: list | None,
+    text_of: TokenText,
+    start: int,
+    offset: int,
+    text_start: bool = False,
 ) -> tuple[dict, int]:
     """The legacy completions logprobs object of entries[start:] ((logprob, id, text) each)
     and their top-logprob lists, text offsets counted from `offset`; and the offset after them.
@@ -41,17 +46,20 @@ def _legacy_logprobs(
     An offset is where the token begins in the text its bytes and those before decode to (as
     the tokenizer decodes them: invalid bytes as U+FFFD), in characters: a character split over
     tokens counts once, and each of its tokens begins where it does (`offset` itself stops
-    before a character begun by entries[:start], which a text shows only once it is whole)."""
+    before a character begun by entries[:start], which a text shows only once it is whole).
+    `text_start`: entries[0] is the text's first token (an echoed prompt's), whose text is what
+    it decodes to alone."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     tops = tops or []
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     decoder.decode(_bytes_before(entries, text_of, start))  # an unfinished character's, if any
     for i, (lp, tid, _) in enumerate(entries[start:], start):
-        text = text_of(tid)
+        first = text_start and i == 0
+        text = text_of.at_start(tid) if first else text_of(tid)
         tokens.append(text)
         token_logprobs.append(lp)
         offsets.append(offset)
-        offset += len(decoder.decode(token_bytes(text_of, tid)))
+        offset += len(decoder.decode(token_bytes(text_of, tid, at_start=first)))
         best = tops[i] if i < len(tops) and tops[i] else []
         top.append({text_of(t): v for v, t, _ in best} if best else None)
     logprobs = {
@@ -113,7 +121,7 @@ def prompt_logprobs(meta: dict, text_of: TokenText) -> dict:
     """Legacy completions logprobs of the prompt's tokens (echo with logprobs), offsets from 0:
     the first token has no logprob (nothing comes before it)."""
     entries = meta.get("input_token_logprobs") or []
-    return _legacy_logprobs(entries, meta.get("input_top_logprobs"), text_of, 0, 0)[0]
+    return _legacy_logprobs(entries, meta.get("input_top_logprobs"), text_of, 0, 0, True)[0]
 
 
 def join_logprobs(first: dict, then: dict) -> dict:

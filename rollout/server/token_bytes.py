@@ -4,14 +4,14 @@ token's decoded text cannot show: decoding it alone gives U+FFFD."""
 
 from __future__ import annotations
 
-from rollout.engine.output_builder import TokenText
 from rollout.engine.piece_bytes import REPLACEMENT, piece_bytes
+from rollout.engine.token_text import TokenText
 
 
-def token_bytes(text_of: TokenText, token_id: int) -> bytes:
-    """The bytes `token_id` adds to a decoded text: its text's UTF-8 when that text is whole,
-    else read from the token's vocabulary entry."""
-    text = text_of(token_id)
+def token_bytes(text_of: TokenText, token_id: int, at_start: bool = False) -> bytes:
+    """The bytes `token_id` adds to a decoded text (`at_start`: as its first token): its text's
+    UTF-8 when that text is whole, else read from the token's vocabulary entry."""
+    text = text_of.at_start(token_id) if at_start else text_of(token_id)
     if REPLACEMENT not in text:
         return text.encode()
     raw = piece_bytes(text_of.tokenizer.convert_ids_to_tokens(token_id))
