@@ -82,26 +82,38 @@ def test_logprob_tokens_are_what_they_add_in_the_text(tok):
 
 
 @pytest.fixture(scope="module")
-def llama2_style_model(tiny_qwen3, tok, tmp_path_factory):
-    """The tiny model, its tokenizer replaced by the sentencepiece one (a smaller vocabulary)."""
+def engine(tiny_qwen3, tok, tmp_path_factory):
+    """The tiny model with the sentencepiece tokenizer in place of its own (a smaller vocabulary)."""
     path = tmp_path_factory.mktemp("llama2-style")
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(f"{tiny_qwen3}/{name}", path / name)
     tok.save_pretrained(path)
-    return str(path)
+    with RolloutEngine(str(path), device="cpu") as engine:
+        yield engine
 
 
-def test_the_engine_s_text_and_logprob_tokens_follow_the_prompt(llama2_style_model, tok):
+def test_the_engine_s_text_and_logprob_tokens_follow_the_prompt(engine, tok):
     word = tok.convert_tokens_to_ids("▁is")
     prompt = tok.encode("Hello world", add_special_tokens=False)
-    with RolloutEngine(llama2_style_model, device="cpu") as engine:
-        out = engine.generate(
-            input_ids=prompt,
-            sampling_params={"max_new_tokens": 6, "ignore_eos": True, "logit_bias": {word: 100}},
-            return_logprob=True,
-            return_text_in_logprobs=True,
-        )
+    out = engine.generate(
+        input_ids=prompt,
+        sampling_params={"max_new_tokens": 6, "ignore_eos": True, "logit_bias": {word: 100}},
+        return_logprob=True,
+        return_text_in_logprobs=True,
+    )
     assert out["output_ids"] == [word] * 6
     assert out["text"] == _after(tok, prompt, out["output_ids"]) == " is" * 6
     texts = [text for _, _, text in out["meta_info"]["output_token_logprobs"]]
     assert "".join(texts) == out["text"]
+
+
+def test_a_stop_string_at_the_output_s_start_stops_it_there(engine, tok):
+    word = tok.convert_tokens_to_ids("▁is")
+    prompt = tok.encode("Hello world", add_special_tokens=False)
+    out = engine.generate(
+        input_ids=prompt,
+        sampling_params={"max_new_tokens": 6, "logit_bias": {word: 100}, "stop": [" is is"]},
+    )
+    assert out["output_ids"] == [word] * 2  # the text " is is" holds the stop string
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " is is"}
+    assert out["text"] == ""

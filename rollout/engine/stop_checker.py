@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.engine.req import Req
+from rollout.engine.req import DECODE_CONTEXT_TOKENS, Req
 
 # A stop string of L characters ends within the last L + TAIL_SLACK tokens (byte-level
 # tokens may carry partial characters).
@@ -27,11 +27,21 @@ class StopChecker:
             return {"type": "stop", "matched": token}
         if params.stop and len(req.output_ids) >= params.min_new_tokens:
             longest = max(len(s) for s in params.stop)
-            tail = self.tokenizer.decode(
-                req.output_ids[-(longest + TAIL_SLACK) :],
-                skip_special_tokens=params.skip_special_tokens,
-            )
+            tail = self._tail(req, longest + TAIL_SLACK, params.skip_special_tokens)
             for stop in params.stop:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}
         return None
+
+    def _tail(self, req: Req, tokens: int, skip_special_tokens: bool) -> str:
+        """The text of the output's last `tokens` tokens; from the output's start, what they add
+        after the prompt's last tokens, as the detokenizer decodes them (a decoder may drop a
+        text's first space)."""
+        window = req.output_ids[-tokens:]
+        if len(window) == len(req.output_ids):
+            context = req.prompt_ids[-DECODE_CONTEXT_TOKENS:]
+            head = self.tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+            text = self.tokenizer.decode(context + window, skip_special_tokens=skip_special_tokens)
+            if text.startswith(head):
+                return text[len(head) :]
+        return self.tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
