@@ -117,3 +117,21 @@ def test_a_stop_string_at_the_output_s_start_stops_it_there(engine, tok):
     assert out["output_ids"] == [word] * 2  # the text " is is" holds the stop string
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " is is"}
     assert out["text"] == ""
+
+
+def test_a_vocabulary_that_spells_no_anchor_decodes_each_token_alone():
+    """As the empty tokenizer transformers makes for a checkpoint without tokenizer files,
+    which an engine fed token ids serves with."""
+
+    class Spells:
+        def __init__(self, known: str) -> None:
+            self.known = known
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [ord(text)] if text in self.known else []
+
+        def decode(self, ids: list[int], **kwargs) -> str:
+            return "".join(f"<{i}>" if i > 200 else chr(i) for i in ids)
+
+    assert TokenText(Spells(""))(300) == "<300>"
+    assert TokenText(Spells("0")).anchor == [ord("0")]

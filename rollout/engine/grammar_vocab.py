@@ -32,7 +32,7 @@ def vocab_bytes(tokenizer: Any, vocab_size: int, skip_special_tokens: bool) -> l
     # Each token is decoded after an "a", as in the middle of a text.
     anchor, head = in_text_anchor(tokenizer)
     texts = tokenizer.batch_decode(
-        [[anchor, i] for i in range(known)], skip_special_tokens=skip_special_tokens
+        [[*anchor, i] for i in range(known)], skip_special_tokens=skip_special_tokens
     )
     table = []
     for i, text in enumerate(texts):

@@ -6,11 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollout.engine.piece_bytes import REPLACEMENT
 
-def in_text_anchor(tokenizer: Any) -> tuple[int, str]:
-    """The token others are decoded after ("a"), and its own text."""
-    anchor = tokenizer.encode("a", add_special_tokens=False)[-1]
-    return anchor, tokenizer.decode([anchor])
+
+def in_text_anchor(tokenizer: Any) -> tuple[list[int], str]:
+    """The token others are decoded after (the text "a"'s, or another short text's), and its
+    own text; ([], "") for a vocabulary that spells none of them, whose tokens are then decoded
+    alone."""
+    for text in ("a", "A", "0", "."):
+        ids = tokenizer.encode(text, add_special_tokens=False)[-1:]
+        head = tokenizer.decode(ids)
+        if head and REPLACEMENT not in head:
+            return ids, head
+    return [], ""
 
 
 class TokenText:
@@ -29,7 +37,7 @@ class TokenText:
         return text
 
     def _in_text(self, token_id: int) -> str:
-        text = self.tokenizer.decode([self.anchor, token_id])
+        text = self.tokenizer.decode([*self.anchor, token_id])
         if text.startswith(self.head):
             return text[len(self.head) :]
         return self.at_start(token_id)
