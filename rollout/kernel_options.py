@@ -40,6 +40,15 @@ class KernelOptions:
         "with decode_attention_backend auto under flashinfer: the largest decode batch (a CUDA "
         "graph's padded size) on the Triton decode kernel; 0: none",
     )
+    # Alone, the unsplit kernel read large decode batches' KV faster than FlashInfer's decode
+    # (benchmarks/RESULTS.md, forty-first session); off until measured inside the engine.
+    unsplit_decode_min_batch: int = _opt(
+        0,
+        "under flashinfer: decode batches of at least this many rows (a CUDA graph's padded "
+        "size) above the Triton decode kernel's run the unsplit Triton kernel (the deterministic "
+        "mode's attention: one program over all of a request's keys for each KV head) instead "
+        "of FlashInfer's decode; 0: never",
+    )
     # A small decode batch only streams the weights, which the skinny kernel does faster than
     # torch's GEMM up to 16 rows on Qwen2.5-7B; with more rows it gained nothing
     # (benchmarks/RESULTS.md, ninth session).
@@ -109,6 +118,10 @@ class KernelOptions:
         if self.triton_decode_max_batch < 0:
             raise ValueError(
                 f"triton_decode_max_batch must be >= 0, got {self.triton_decode_max_batch}"
+            )
+        if self.unsplit_decode_min_batch < 0:
+            raise ValueError(
+                f"unsplit_decode_min_batch must be >= 0, got {self.unsplit_decode_min_batch}"
             )
         if not 0 <= self.skinny_gemm_max_rows <= SKINNY_GEMM_MAX_ROWS:
             raise ValueError(

@@ -92,7 +92,7 @@ def runs(tiny_128) -> dict[str, list[dict]]:
     """The same requests through the torch backend, and FlashInfer extend with decode as
     decode_attention_backend's default runs it (here Triton's kernel up to batch 4, FlashInfer's
     above, so the shrinking batch crosses over), eager and with graphs, or on FlashInfer with
-    graphs."""
+    graphs, or with the unsplit kernel for the larger batches."""
     if not package_imports("flashinfer"):
         pytest.skip("needs flashinfer")
     flashinfer_decode = {"attention_backend": "flashinfer", "decode_attention_backend": "flashinfer"}
@@ -104,6 +104,9 @@ def runs(tiny_128) -> dict[str, list[dict]]:
         # otherwise (tests/test_gpu_extend_graphs.py compares those with eager extends).
         "graphs": _generate(tiny_128, **mixed, cuda_graph_max_bs=16, cuda_graph_max_extend_tokens=0),
         "fi-graphs": _generate(tiny_128, **flashinfer_decode, cuda_graph_max_bs=16),
+        # FlashInfer's decode batches from 8 rows on (16 and 8 padded) on the unsplit kernel.
+        "unsplit": _generate(tiny_128, **mixed, unsplit_decode_min_batch=8, disable_cuda_graph=True),
+        "unsplit-graphs": _generate(tiny_128, **mixed, unsplit_decode_min_batch=8, cuda_graph_max_bs=16),
     }
 
 
@@ -117,6 +120,11 @@ def test_graph_replay_matches_eager(runs):
 
 def test_flashinfer_decode_matches_torch_backend(runs):
     _assert_same_greedy(runs["fi-graphs"], runs["torch"], BACKEND_TOL, BACKEND_TIE)
+
+
+def test_large_decode_batches_on_the_unsplit_kernel_match_torch_backend(runs):
+    _assert_same_greedy(runs["unsplit"], runs["torch"], BACKEND_TOL, BACKEND_TIE)
+    _assert_same_greedy(runs["unsplit-graphs"], runs["unsplit"], GRAPH_TOL, GRAPH_TIE)
 
 
 def test_flashinfer_decode_graph_of_a_batch_filling_the_device_matches_eager(tmp_path_factory):

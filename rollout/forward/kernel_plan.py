@@ -84,10 +84,15 @@ class KernelPlan:
     # With adapters on a GPU: forwards of up to this many rows run LoRA's kernels beside the
     # base GEMMs (models/lora_layer.py, LoraLayer.around); 0: after them.
     lora_overlap_max_rows: int = 0
+    # Decode batches of at least this many rows that decode_backend does not take run the
+    # unsplit kernel (attention.UNSPLIT) instead of attention_backend; 0: never.
+    unsplit_decode_min_batch: int = 0
 
     @property
     def decode_attention(self) -> DecodeChoice:
-        return DecodeChoice(self.decode_backend, self.decode_max_batch)
+        return DecodeChoice(
+            self.decode_backend, self.decode_max_batch, self.unsplit_decode_min_batch
+        )
 
     def samples_with_kernel(self, rows: int, filtered: bool) -> bool:
         """Whether a sampling batch of `rows` rows (`filtered`: some use top-k/top-p/min-p)
@@ -175,7 +180,15 @@ def resolve_kernel_plan(
             if options.lora.enable_lora and device.type == "cuda"
             else 0
         ),
+        unsplit_decode_min_batch=_unsplit_min_batch(kopts.unsplit_decode_min_batch, extend, decode),
     )
+
+
+def _unsplit_min_batch(asked: int, extend: str, decode: DecodeChoice) -> int:
+    """unsplit_decode_min_batch as it applies: to the decode batches FlashInfer's decode would
+    run (above the Triton decode kernel's, where FlashInfer's runs every extend); 0 elsewhere."""
+    flashinfer_decodes = decode.backend == extend or decode.max_batch is not None
+    return asked if extend == "flashinfer" and flashinfer_decodes else 0
 
 
 def _extend_graph_max_tokens(options: EngineOptions, extend: str, graphs: bool) -> int:

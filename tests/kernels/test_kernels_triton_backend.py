@@ -14,7 +14,12 @@ from transformers import AutoConfig
 
 pytest.importorskip("triton")
 
-from rollout.forward.attention import AttentionShape, create_attention_backend  # noqa: E402
+from rollout.forward.attention import (  # noqa: E402
+    AttentionShape,
+    DecodeChoice,
+    create_attention_backend,
+)
+from rollout.forward.attention.deterministic_backend import DeterministicAttentionBackend  # noqa: E402
 from rollout.forward.attention.hybrid_backend import HybridAttentionBackend  # noqa: E402
 from rollout.forward.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from rollout.forward.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -138,7 +143,7 @@ def model_setup(request, device):
 
 def _run(
     model_setup, device: str, backend_name: str, padded: int | None = None, fused: bool = False,
-    decode: str | None = None, skinny_rows: int = 0, kv_dtype: torch.dtype = torch.float32,
+    decode: str | DecodeChoice | None = None, skinny_rows: int = 0, kv_dtype: torch.dtype = torch.float32,
     round_kv_to: torch.dtype | None = None,
 ) -> _Driver:
     model, cfg, prompts = model_setup
@@ -176,6 +181,12 @@ def runs(model_setup, device) -> dict[str, _Driver]:
         "triton-fused-skinny": _run(model_setup, device, "triton", fused=True, skinny_rows=4),
         # decode_attention_backend: extend on one backend, decode on another, one KV pool.
         "torch-then-triton": _run(model_setup, device, "torch", padded=len(PROMPT_LENS) + 3, decode="triton"),
+        # unsplit_decode_min_batch: decode batches from a size on through the unsplit kernel,
+        # eager (the 4-row batches) and as a graph replays them (padded to 7 rows).
+        "torch-then-unsplit": _run(model_setup, device, "torch", decode=DecodeChoice("torch", None, 4)),
+        "torch-then-unsplit-padded": _run(
+            model_setup, device, "torch", padded=len(PROMPT_LENS) + 3, decode=DecodeChoice("torch", None, 5)
+        ),
         # kv_cache_dtype="fp8_e4m3": an 8-bit cache, written and read by the torch backend and
         # (on CUDA: the interpreter's 8-bit conversions are wrong) by the fused Triton kernels.
         "torch-fp8": _run(model_setup, device, "torch", kv_dtype=torch.float8_e4m3fn),
@@ -224,6 +235,14 @@ def test_decode_on_another_backend_than_extend(runs):
     assert isinstance(got.backend.decode, TritonAttentionBackend)
     assert got.backend.supports_cuda_graph
     _assert_same_run(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("run", ["torch-then-unsplit", "torch-then-unsplit-padded"])
+def test_large_decode_batches_on_the_unsplit_kernel(runs, run):
+    got = runs[run]
+    assert isinstance(got.backend.unsplit, DeterministicAttentionBackend)
+    assert got.backend.unsplit.seq_lens is not None  # the decode steps were the unsplit kernel's
+    _assert_same_run(got, runs["torch"], 1e-4)
 
 
 def test_an_fp8_kv_cache_changes_only_the_rounding_of_keys_and_values(runs):

@@ -68,23 +68,34 @@ BACKENDS: dict[str, BackendEntry] = {
         head_dims=(64, 128, 256), cuda_graph=True, extend_graph=True,
     ),
     "triton": BackendEntry(_triton, package="triton", gpu_only=True, cuda_graph=True),
-    # Chosen by enable_deterministic_inference only; on the CPU under TRITON_INTERPRET=1.
+    # Chosen by enable_deterministic_inference, and for large decode batches by
+    # unsplit_decode_min_batch; on the CPU under TRITON_INTERPRET=1.
     "deterministic": BackendEntry(_deterministic, package="triton", cuda_graph=True),
 }
+# The backend of DecodeChoice.unsplit_min_batch's decode batches.
+UNSPLIT = "deterministic"
 
 
 @dataclass(frozen=True)
 class DecodeChoice:
     """The backend decode steps run on, and the largest decode batch it takes (None: every
-    batch); larger ones run on the attention backend."""
+    batch); larger ones run on the attention backend, or from `unsplit_min_batch` rows on (0:
+    never) on the unsplit kernel: the deterministic backend's, one program over all of a
+    request's keys for each of its KV heads."""
 
     backend: str
     max_batch: int | None = None
+    unsplit_min_batch: int = 0
 
     def __str__(self) -> str:
-        if self.max_batch is None:
-            return self.backend
-        return f"{self.backend} up to batch {self.max_batch}"
+        text = (
+            self.backend
+            if self.max_batch is None
+            else f"{self.backend} up to batch {self.max_batch}"
+        )
+        if self.unsplit_min_batch:
+            text += f", unsplit from batch {self.unsplit_min_batch}"
+        return text
 
 
 @functools.cache
@@ -118,10 +129,11 @@ def unavailable_reason(
 def supports_cuda_graph(name: str, decode: DecodeChoice) -> bool:
     """Whether backend `name` with decode steps on `decode` can run inside CUDA graphs (as
     HybridAttentionBackend.supports_cuda_graph answers for the built backend)."""
+    unsplit_ok = not decode.unsplit_min_batch or BACKENDS[UNSPLIT].cuda_graph
     if decode.backend == name:
-        return BACKENDS[name].cuda_graph
+        return BACKENDS[name].cuda_graph and unsplit_ok
     extend_ok = decode.max_batch is None or BACKENDS[name].cuda_graph
-    return BACKENDS[decode.backend].cuda_graph and extend_ok
+    return BACKENDS[decode.backend].cuda_graph and extend_ok and unsplit_ok
 
 
 def supports_extend_graph(name: str) -> bool:
@@ -142,12 +154,15 @@ def create_attention_backend(
             raise ValueError(
                 f"attention_backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
             )
-    if decode.backend == name:
+    if decode.backend == name and not decode.unsplit_min_batch:
         return BACKENDS[name].create(shape)
     from rollout.forward.attention.hybrid_backend import HybridAttentionBackend
 
+    extend = BACKENDS[name].create(shape)
+    small = extend if decode.backend == name else BACKENDS[decode.backend].create(shape)
+    unsplit = BACKENDS[UNSPLIT].create(shape) if decode.unsplit_min_batch else None
     return HybridAttentionBackend(
-        BACKENDS[name].create(shape), BACKENDS[decode.backend].create(shape), decode.max_batch
+        extend, small, decode.max_batch, unsplit, decode.unsplit_min_batch
     )
 
 
