@@ -25,9 +25,15 @@ SAMPLINGS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_serving_after_the_warm_up_compiles_nothing(tiny_qwen3, dtype):
-    with RolloutEngine(tiny_qwen3, dtype=dtype, device="cuda", max_total_tokens=20000) as engine:
+@pytest.mark.parametrize(
+    "dtype, options",
+    [("bfloat16", {}), ("float32", {}), ("bfloat16", {"unsplit_decode_min_batch": 33})],
+    ids=["bfloat16", "float32", "bfloat16-unsplit"],
+)
+def test_serving_after_the_warm_up_compiles_nothing(tiny_qwen3, dtype, options):
+    with RolloutEngine(
+        tiny_qwen3, dtype=dtype, device="cuda", max_total_tokens=20000, **options
+    ) as engine:
         ready = engine.get_server_info()
         assert ready["warmup_s"] > 0
         prefix = list(range(5, 69))
