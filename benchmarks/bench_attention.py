@@ -111,6 +111,8 @@ def main() -> None:
     args = parser.parse_args()
     import flashinfer
 
+    from rollout.forward.attention import AttentionShape
+    from rollout.forward.attention.flashinfer_backend import workspace_bytes
     from rollout.forward.kv_pool import kv_cache_dtype, to_kv_dtype
     from rollout_kernels import decode_attention as triton_decode
 
@@ -143,6 +145,11 @@ def main() -> None:
     last = torch.ones(b, dtype=torch.int32)
     cache = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))
     kernels = {}
+    shape = AttentionShape(
+        num_heads=h, num_kv_heads=hkv, head_dim=d, scaling=d**-0.5, dtype=dtype, device=dev,
+        max_batch_size=b, max_context_len=max(lengths), kv_dtype=kv_dtype,
+    )  # fmt: skip
+    graph_workspace = workspace_bytes(shape, torch.cuda.get_device_properties(dev).multi_processor_count)
     variants = (
         ("flashinfer-tc", True, False),
         ("flashinfer-tc-nosplit", True, True),
@@ -152,9 +159,10 @@ def main() -> None:
         if name.removeprefix("flashinfer-") not in args.flashinfer:
             continue
         try:
-            # As the engine's graph wrappers: plan arrays at fixed device addresses (and a
-            # workspace of its own: the plans of all variants are alive at once here).
-            workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+            # As the engine's graph wrappers: plan arrays at fixed device addresses, and a
+            # workspace sized as the engine sizes it for a graph of this batch (one for each
+            # variant: the plans of all of them are alive at once here).
+            workspace = torch.zeros(graph_workspace, dtype=torch.uint8, device=dev)
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
                 paged_kv_indptr_buffer=indptr.to(dev), paged_kv_indices_buffer=indices.to(dev),
