@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--deterministic-inference", action="store_true", help="the batch-invariant kernels (issue 24)")
     parser.add_argument("--return-logprob", action="store_true", help="every request returns its tokens' logprobs")
     parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1: no filter)")
+    parser.add_argument("--unsplit-decode-min-batch", type=int, default=kernels.unsplit_decode_min_batch,
+                        help="decode batches of at least this many rows on the unsplit kernel (0: never)")  # fmt: skip
     parser.add_argument("--decode-split-keys", type=int, help="keys per piece of the Triton decode kernel")
     parser.add_argument("--decode-block-n", type=int, help="keys per loop step of the Triton decode kernel (bf16)")
     parser.add_argument("--lora-ranks", type=int, nargs="+", default=[],
@@ -67,6 +69,7 @@ def main() -> None:
         "disable_overlap_schedule": args.disable_overlap_schedule,
         "deterministic_inference": args.deterministic_inference,
         "disable_pdl": args.disable_pdl,
+        "unsplit_decode_min_batch": args.unsplit_decode_min_batch,
     }
     model = args.model
     if not os.path.isdir(model):
