@@ -26,6 +26,7 @@ from decode_launch import set_decode_launch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from rollout.config import CacheOptions, EngineOptions, KernelOptions  # noqa: E402
+from rollout.engine.heap import startup_heap_frozen  # noqa: E402
 from rollout.engine.messages import TokenizedRequest  # noqa: E402
 from rollout.engine.sampling_params import SamplingParams  # noqa: E402
 from rollout.engine.scheduler_process import SchedulerProcess  # noqa: E402
@@ -85,7 +86,13 @@ def main() -> None:
                         for i, (a, r) in enumerate(zip(adapters, args.lora_ranks))],
         )  # fmt: skip
     proc = SchedulerProcess(EngineOptions.from_kwargs(model_path=model, **options))
-    sched = proc.scheduler
+    with startup_heap_frozen():  # as the engine's scheduler process serves (engine/heap.py)
+        profile(proc.scheduler, args, adapters)
+
+
+def profile(sched, args: argparse.Namespace, adapters: list[str]) -> None:
+    """Fills a batch of args.batch requests, times args.steps decode steps (or profiles the
+    prefill, with --extend), then profiles five."""
     if args.extend:  # first compiles and lazy initialisation outside the profile
         sched.add_request(TokenizedRequest("warm-up", [1, 2, 3], SamplingParams(max_new_tokens=1), seed=0))
         while sched.has_work():
