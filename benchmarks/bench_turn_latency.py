@@ -59,6 +59,7 @@ def median_ms(run, ids_list: list[list[int]]) -> float:
 
 def scheduler_layer(options: dict, args, params: dict) -> tuple[float, object]:
     from rollout.config import EngineOptions
+    from rollout.engine.heap import startup_heap_frozen
     from rollout.engine.messages import TokenizedRequest
     from rollout.engine.sampling_params import SamplingParams
     from rollout.engine.scheduler_process import SchedulerProcess
@@ -78,9 +79,10 @@ def scheduler_layer(options: dict, args, params: dict) -> tuple[float, object]:
         if cuda:
             torch.cuda.synchronize()
 
-    ms = median_ms(run, prompts(WARMUP + args.requests, args.prompt_len, seed=1))
-    if args.profile:
-        profile(run, prompts(10, args.prompt_len, seed=2), cuda)
+    with startup_heap_frozen():  # as the engine's scheduler process serves (engine/heap.py)
+        ms = median_ms(run, prompts(WARMUP + args.requests, args.prompt_len, seed=1))
+        if args.profile:
+            profile(run, prompts(10, args.prompt_len, seed=2), cuda)
     return ms, proc
 
 
