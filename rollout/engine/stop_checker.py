@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollout.engine.req import DECODE_CONTEXT_TOKENS, Req
+from rollout.engine.token_text import text_after
 
 # A stop string of L characters ends within the last L + TAIL_SLACK tokens (byte-level
 # tokens may carry partial characters).
@@ -40,8 +41,9 @@ class StopChecker:
         window = req.output_ids[-tokens:]
         if len(window) == len(req.output_ids):
             context = req.prompt_ids[-DECODE_CONTEXT_TOKENS:]
-            head = self.tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
-            text = self.tokenizer.decode(context + window, skip_special_tokens=skip_special_tokens)
-            if text.startswith(head):
-                return text[len(head) :]
+            text = text_after(
+                self.tokenizer, context, window, skip_special_tokens=skip_special_tokens
+            )
+            if text is not None:
+                return text
         return self.tokenizer.decode(window, skip_special_tokens=skip_special_tokens)

@@ -21,6 +21,14 @@ def in_text_anchor(tokenizer: Any) -> tuple[list[int], str]:
     return [], ""
 
 
+def text_after(tokenizer: Any, before: list[int], ids: list[int], **decode_kw: bool) -> str | None:
+    """The text `ids` add after the text of `before`: the two decoded together, less the text
+    of `before` alone; None where decoding them together changes that text."""
+    head = tokenizer.decode(before, **decode_kw)
+    text = tokenizer.decode(before + ids, **decode_kw)
+    return text[len(head) :] if text.startswith(head) else None
+
+
 class TokenText:
     """Token id -> the text it adds in the middle of a text, memoized (logprob lists repeat the
     same ids a lot)."""
@@ -28,7 +36,7 @@ class TokenText:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
-        self.anchor, self.head = in_text_anchor(tokenizer)
+        self.anchor = in_text_anchor(tokenizer)[0]
 
     def __call__(self, token_id: int) -> str:
         text = self.cache.get(token_id)
@@ -37,10 +45,8 @@ class TokenText:
         return text
 
     def _in_text(self, token_id: int) -> str:
-        text = self.tokenizer.decode([*self.anchor, token_id])
-        if text.startswith(self.head):
-            return text[len(self.head) :]
-        return self.at_start(token_id)
+        text = text_after(self.tokenizer, self.anchor, [token_id])
+        return self.at_start(token_id) if text is None else text
 
     def at_start(self, token_id: int) -> str:
         """Its text as the first token of a text (an echoed prompt's)."""
