@@ -9,7 +9,8 @@ backend runs), FlashInfer's CUDA-core decode (GQA group sizes 1-4 and 8 only), a
 kernel of the triton backend. Bandwidth = K and V bytes read / time. Prints one JSON line per
 kernel; `--check` also compares each against the torch reference and a strided q (a view
 into a fused qkv output) against a contiguous one. `--spread` draws each request's length
-uniformly from [1, 2 x context] instead (a workload's mix); `--split-keys 64 1024` times the
+uniformly from [1, 2 x context] instead (a workload's mix), and `--long 2 32768` gives two
+requests of the batch 32,768 keys each (a long tail among short requests); `--split-keys 64 1024` times the
 Triton kernel once per piece length (keys per split-KV piece) instead of its default.
 `--kv-dtype fp8_e4m3` (or fp8_e5m2) keeps K and V in 8 bits, as kv_cache_dtype does, with bf16
 queries. `--deterministic-configs` adds the deterministic mode's kernel (a decode as an extend
@@ -92,6 +93,11 @@ def main() -> None:
         help="slots per contiguous run: each request's tokens lie in runs of this many adjacent "
         "slots, the runs scattered over the pool (1: every token scattered)",
     )  # fmt: skip
+    parser.add_argument(
+        "--long", type=int, nargs=2, metavar=("COUNT", "LENGTH"), default=None,
+        help="COUNT requests at random places of the batch hold LENGTH keys each instead (a long "
+        "tail among short requests: a kernel that gives each request one program waits on them)",
+    )  # fmt: skip
     parser.add_argument("--kv-dtype", default="auto", help="auto (bf16), fp8_e4m3 or fp8_e5m2")
     parser.add_argument(
         "--flashinfer", nargs="*", choices=["tc", "tc-nosplit", "cuda-core"], default=["tc", "tc-nosplit", "cuda-core"],
@@ -120,6 +126,10 @@ def main() -> None:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     b, h, hkv, d, n = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
     lengths = torch.randint(1, 2 * n + 1, (b,)).tolist() if args.spread else [n] * b
+    if args.long is not None:
+        count, length = args.long
+        for i in torch.randperm(b)[:count].tolist():
+            lengths[i] = length
     if args.order != "drawn":
         lengths.sort(reverse=args.order == "longest-first")
     slots_total = sum(lengths) + 1
@@ -221,7 +231,7 @@ def main() -> None:
     for name, fn in kernels.items():
         ms = time_ms(lambda fn=fn: fn(q))
         row = {
-            "kernel": name, "batch": b, "context": n, "spread": args.spread, "order": args.order, "run": args.run, "heads": h, "kv_heads": hkv,
+            "kernel": name, "batch": b, "context": n, "spread": args.spread, "order": args.order, "long": args.long, "run": args.run, "heads": h, "kv_heads": hkv,
             "kv_dtype": str(kv_dtype).removeprefix("torch."),
             "us": round(ms * 1000, 1), "TB/s": round(kv_bytes / ms / 1e9, 3),
         }
