@@ -107,7 +107,9 @@ def runs(tiny_128) -> dict[str, list[dict]]:
         # FlashInfer's decode batches from 9 rows on on the unsplit kernel: 9-11 eagerly and in
         # the graph of 16, 5-8 on FlashInfer in both runs (graphs of 8).
         "unsplit": _generate(tiny_128, **mixed, unsplit_decode_min_batch=9, disable_cuda_graph=True),
-        "unsplit-graphs": _generate(tiny_128, **mixed, unsplit_decode_min_batch=9, cuda_graph_max_bs=16),
+        "unsplit-graphs": _generate(
+            tiny_128, **mixed, unsplit_decode_min_batch=9, cuda_graph_max_bs=16, cuda_graph_max_extend_tokens=0
+        ),
     }
 
 
