@@ -207,8 +207,10 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add("--kv-cache-dtype", default=cache.kv_cache_dtype, help="auto, fp8_e4m3 or fp8_e5m2")
     add("--skinny-gemm-max-rows", type=int, default=kernels.skinny_gemm_max_rows)
     add("--triton-decode-max-batch", type=int, default=kernels.triton_decode_max_batch)
-    add("--unsplit-decode-min-batch", type=int, default=kernels.unsplit_decode_min_batch,
-        help="decode batches of at least this many rows on the unsplit kernel (0: never)")  # fmt: skip
+    add("--large-decode-min-batch", type=int, default=kernels.large_decode_min_batch,
+        help="decode batches of at least this many rows on the large batches' Triton kernel (0: never)")  # fmt: skip
+    add("--large-decode-piece-keys", type=int, default=kernels.large_decode_piece_keys,
+        help="its keys per piece of a request (0: the unsplit kernel)")  # fmt: skip
     add("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each)")
     add("--max-running-requests", type=int, help="default: the engine's (from its KV pool size)")
     add("--enable-flashinfer-allreduce-fusion", action="store_true")
@@ -240,7 +242,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "kv_cache_dtype": args.kv_cache_dtype,
         "skinny_gemm_max_rows": args.skinny_gemm_max_rows,
         "triton_decode_max_batch": args.triton_decode_max_batch,
-        "unsplit_decode_min_batch": args.unsplit_decode_min_batch,
+        "large_decode_min_batch": args.large_decode_min_batch,
+        "large_decode_piece_keys": args.large_decode_piece_keys,
         "tp_size": args.tp_size,
         "enable_flashinfer_allreduce_fusion": args.enable_flashinfer_allreduce_fusion,
         "symm_mem_allreduce_min_rows": args.symm_mem_allreduce_min_rows,

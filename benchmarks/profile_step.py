@@ -53,8 +53,10 @@ def main() -> None:
     parser.add_argument("--deterministic-inference", action="store_true", help="the batch-invariant kernels (issue 24)")
     parser.add_argument("--return-logprob", action="store_true", help="every request returns its tokens' logprobs")
     parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1: no filter)")
-    parser.add_argument("--unsplit-decode-min-batch", type=int, default=kernels.unsplit_decode_min_batch,
-                        help="decode batches of at least this many rows on the unsplit kernel (0: never)")  # fmt: skip
+    parser.add_argument("--large-decode-min-batch", type=int, default=kernels.large_decode_min_batch,
+                        help="decode batches of at least this many rows on the large batches' Triton kernel (0: never)")  # fmt: skip
+    parser.add_argument("--large-decode-piece-keys", type=int, default=kernels.large_decode_piece_keys,
+                        help="its keys per piece of a request (0: the unsplit kernel)")  # fmt: skip
     parser.add_argument("--decode-split-keys", type=int, help="keys per piece of the Triton decode kernel")
     parser.add_argument("--decode-block-n", type=int, help="keys per loop step of the Triton decode kernel (bf16)")
     parser.add_argument("--lora-ranks", type=int, nargs="+", default=[],
@@ -70,7 +72,8 @@ def main() -> None:
         "disable_overlap_schedule": args.disable_overlap_schedule,
         "deterministic_inference": args.deterministic_inference,
         "disable_pdl": args.disable_pdl,
-        "unsplit_decode_min_batch": args.unsplit_decode_min_batch,
+        "large_decode_min_batch": args.large_decode_min_batch,
+        "large_decode_piece_keys": args.large_decode_piece_keys,
     }
     model = args.model
     if not os.path.isdir(model):

@@ -46,7 +46,6 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    row = tl.load(req_pool_ptr + b).to(tl.int64)
     # This request's own cut; programs past it find no keys and report an empty part.
     pieces = tl.minimum(tl.maximum(tl.cdiv(seq_len, MIN_KEYS), 1), NUM_SPLITS)
     split_len = tl.cdiv(seq_len, pieces)
@@ -55,8 +54,15 @@ def _decode_split_kernel(
 
     group = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + group
-    dims = tl.arange(0, BLOCK_D)
     hmask = group < GROUP
+    # An empty split reports lse = -inf and writes no part: the merge gives it no weight and
+    # does not read it. Such a program (most of a graph's, whose launch holds NUM_SPLITS
+    # pieces of every request) reads nothing else.
+    if start >= end:
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, float("-inf"), mask=hmask)
+        return
+    row = tl.load(req_pool_ptr + b).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
     dmask = dims < HEAD_DIM
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
@@ -84,21 +90,20 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), from_cache_dtype(v, q.dtype), input_precision=DOT_PRECISION)
         m = m_new
 
-    # An empty split reports lse = -inf and writes no part: the merge gives it no weight and
-    # does not read it.
-    nonempty = denom > 0
-    out = acc / tl.where(nonempty, denom, 1.0)[:, None]
-    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, denom, 1.0)), float("-inf"))
+    out = acc / denom[:, None]
+    lse = m + tl.log(denom)
     part_offs = b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + dims[None, :]
-    tl.store(part_ptr + part_offs, out, mask=(hmask & nonempty)[:, None] & dmask[None, :])
+    tl.store(part_ptr + part_offs, out, mask=hmask[:, None] & dmask[None, :])
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
 
 
-def choose_num_splits(max_seq_len: int) -> int:
+def choose_num_splits(max_seq_len: int, min_keys_per_split: int | None = None) -> int:
     """The `num_splits` that cuts every request of a batch whose longest sequence has
-    `max_seq_len` keys its own way (one piece per MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS).
-    A CUDA graph, which may replay for any length, uses choose_num_splits(max context)."""
-    return max(1, min(MAX_SPLITS, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
+    `max_seq_len` keys its own way (one piece per min_keys_per_split keys, by default
+    MIN_KEYS_PER_SPLIT; at most MAX_SPLITS). A CUDA graph, which may replay for any length, uses
+    choose_num_splits(max context)."""
+    min_keys = MIN_KEYS_PER_SPLIT if min_keys_per_split is None else min_keys_per_split
+    return max(1, min(MAX_SPLITS, triton.cdiv(max_seq_len, min_keys)))
 
 
 def decode_attention(
@@ -111,6 +116,7 @@ def decode_attention(
     sm_scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    min_keys_per_split: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
@@ -121,9 +127,12 @@ def decode_attention(
     (the newest token's K/V already stored). Returns out [B, H, D] in q's dtype; a request
     with no keys (a padding row) gets zeros.
 
-    `num_splits` bounds the pieces a request's keys are cut into: from choose_num_splits(its
-    length) on, the result is the same bit for bit; below, it differs by float rounding only. A
-    fixed value keeps the launch shape fixed (CUDA graphs), whatever the sequence lengths.
+    A request's keys are cut into one piece per `min_keys_per_split` keys (MIN_KEYS_PER_SPLIT by
+    default; long pieces leave a short request whole and a long one in as many programs as it
+    has pieces), and `num_splits` bounds the pieces: from choose_num_splits(its length,
+    min_keys_per_split) on, the result is the same bit for bit; below, it differs by float
+    rounding only. A fixed value keeps the launch shape fixed (CUDA graphs), whatever the
+    sequence lengths.
     block_n (keys per loop step; 64, or 32 in float32, by default; it also moves the rounding),
     num_warps and num_stages tune the launch (benchmarks/bench_attention.py --triton-configs)."""
     b, heads, dim = q.shape
@@ -131,6 +140,9 @@ def decode_attention(
     kv_heads = k_cache.shape[1]
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    min_keys = MIN_KEYS_PER_SPLIT if min_keys_per_split is None else min_keys_per_split
+    if min_keys < 1:
+        raise ValueError(f"min_keys_per_split must be >= 1, got {min_keys}")
     out = torch.empty_like(q) if out is None else out
     if b == 0:
         return out
@@ -148,7 +160,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, HEAD_DIM=dim, DOT_PRECISION=dot_precision(q.dtype), NUM_SPLITS=num_splits,
-        MIN_KEYS=MIN_KEYS_PER_SPLIT,
+        MIN_KEYS=min_keys,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )

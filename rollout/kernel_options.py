@@ -40,14 +40,25 @@ class KernelOptions:
         "with decode_attention_backend auto under flashinfer: the largest decode batch (a CUDA "
         "graph's padded size) on the Triton decode kernel; 0: none",
     )
-    # Alone, the unsplit kernel read large decode batches' KV faster than FlashInfer's decode
-    # (benchmarks/RESULTS.md, forty-first session); off until measured inside the engine.
-    unsplit_decode_min_batch: int = _opt(
+    # Alone, the unsplit kernel read large decode batches' KV faster than FlashInfer's decode and
+    # made the rl and nano workloads 1.5% and 1-4% faster from 144 rows; with a few long
+    # requests among short ones it and FlashInfer's decode wait on one program each, where the
+    # Triton decode kernel, which cuts long requests, was 2.2-2.7x faster (benchmarks/RESULTS.md,
+    # forty-second session). Off until the Triton kernel with long pieces is measured.
+    large_decode_min_batch: int = _opt(
         0,
         "under flashinfer: decode batches of at least this many rows (a CUDA graph's padded "
-        "size) above the Triton decode kernel's run the unsplit Triton kernel (the deterministic "
-        "mode's attention: one program over all of a request's keys for each KV head) instead "
-        "of FlashInfer's decode; 0: never",
+        "size) above the Triton decode kernel's run a Triton kernel instead of FlashInfer's "
+        "decode: the decode kernel cutting each request's keys into pieces of "
+        "large_decode_piece_keys keys, or with large_decode_piece_keys 0 the unsplit kernel (the "
+        "deterministic mode's attention: one program over all of a request's keys for each KV "
+        "head); 0: never",
+    )
+    large_decode_piece_keys: int = _opt(
+        2048,
+        "keys per piece of a request on the large decode batches' Triton kernel "
+        "(large_decode_min_batch): shorter requests are one program for each KV head, longer "
+        "ones one per piece (at most 16, longer pieces past that); 0: the unsplit kernel",
     )
     # A small decode batch only streams the weights, which the skinny kernel does faster than
     # torch's GEMM up to 16 rows on Qwen2.5-7B; with more rows it gained nothing
@@ -119,10 +130,9 @@ class KernelOptions:
             raise ValueError(
                 f"triton_decode_max_batch must be >= 0, got {self.triton_decode_max_batch}"
             )
-        if self.unsplit_decode_min_batch < 0:
-            raise ValueError(
-                f"unsplit_decode_min_batch must be >= 0, got {self.unsplit_decode_min_batch}"
-            )
+        for name in ("large_decode_min_batch", "large_decode_piece_keys"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.skinny_gemm_max_rows <= SKINNY_GEMM_MAX_ROWS:
             raise ValueError(
                 f"skinny_gemm_max_rows must be in 0..{SKINNY_GEMM_MAX_ROWS}, "

@@ -253,7 +253,8 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
         "sampling_per_filter_set": False, "logprob_kernel": True,
         "allreduce_fusion": False, "symm_mem_allreduce_min_rows": 0,
         "symm_mem_allreduce_max_rows": 0, "programmatic_launch": False,
-        "extend_graph_max_tokens": 512, "lora_overlap_max_rows": 0, "unsplit_decode_min_batch": 0,
+        "extend_graph_max_tokens": 512, "lora_overlap_max_rows": 0, "large_decode_min_batch": 0,
+        "large_decode_piece_keys": 0,
     }  # fmt: skip
     assert str(plan) == (
         "attention flashinfer, decode triton up to batch 32, fused kernels on, skinny GEMM up to "
@@ -381,48 +382,63 @@ def test_hybrid_backend_routes_decode_by_batch_size():
         HybridAttentionBackend(_Recorder("extend", calls), _Recorder("decode", calls), 0)
 
 
-def test_large_decode_batches_go_to_the_unsplit_kernel_from_its_size_on():
+def test_large_decode_batches_go_to_the_large_batch_kernel_from_its_size_on():
     from rollout.forward.attention.hybrid_backend import HybridAttentionBackend
 
     calls = []
     hybrid = HybridAttentionBackend(
-        _Recorder("extend", calls), _Recorder("decode", calls), 2, _Recorder("unsplit", calls), 4
+        _Recorder("extend", calls), _Recorder("decode", calls), 2, _Recorder("large", calls), 4
     )
     for lens in ([1, 2], [1, 2, 3], [1] * 4, [1] * 9):
         fb = _batch(ForwardMode.DECODE, lens)
         hybrid.prepare(fb)
         hybrid.forward(None, None, None, None, fb)
     hybrid.prepare_graph(8, None)  # captured as a graph of its padded size
-    hybrid.prepare(_batch(ForwardMode.EXTEND, [1] * 9))  # an extend is never the unsplit kernel's
+    hybrid.prepare(_batch(ForwardMode.EXTEND, [1] * 9))  # an extend is never the large kernel's
     assert [(name, n) for name, what, n in calls if what != "forward"] == [
-        ("decode", 2), ("extend", 3), ("unsplit", 4), ("unsplit", 9), ("unsplit", 8), ("extend", 9),
+        ("decode", 2), ("extend", 3), ("large", 4), ("large", 9), ("large", 8), ("extend", 9),
     ]
-    # With the decode backend taking every batch, the unsplit kernel takes the large ones.
+    # With the decode backend taking every batch, the large batches' kernel takes the large ones.
     calls.clear()
     every = HybridAttentionBackend(
-        _Recorder("extend", calls), _Recorder("decode", calls), None, _Recorder("unsplit", calls), 4
+        _Recorder("extend", calls), _Recorder("decode", calls), None, _Recorder("large", calls), 4
     )
     every.prepare(_batch(ForwardMode.DECODE, [1] * 3))
     every.prepare(_batch(ForwardMode.DECODE, [1] * 4))
-    assert calls == [("decode", "prepare", 3), ("unsplit", "prepare", 4)]
-    with pytest.raises(ValueError, match="unsplit_min_batch must be >= 1, got 0"):
+    assert calls == [("decode", "prepare", 3), ("large", "prepare", 4)]
+    with pytest.raises(ValueError, match="large_min_batch must be >= 1, got 0"):
         HybridAttentionBackend(_Recorder("e", calls), _Recorder("d", calls), 2, _Recorder("u", calls))
 
 
-def test_the_unsplit_kernel_takes_flashinfers_decode_batches_only(packages):
+def test_the_large_batch_kernel_takes_flashinfers_decode_batches_only(packages):
     packages("flashinfer", "triton")
-    plan = plan_for(CUDA, torch.bfloat16, unsplit_decode_min_batch=128)
-    assert plan.decode_attention == DecodeChoice("triton", 32, 128)
-    assert "decode triton up to batch 32, unsplit from batch 128," in str(plan)
+    plan = plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128)
+    assert plan.decode_attention == DecodeChoice("triton", 32, 128, 2048)
+    assert plan.decode_attention.large_backend == "triton"
+    assert "decode triton up to batch 32, triton in pieces of 2048 keys from batch 128," in str(plan)
     assert attention.supports_cuda_graph(plan.attention_backend, plan.decode_attention)
-    assert plan_for(CUDA, torch.bfloat16, unsplit_decode_min_batch=128,
-                    decode_attention_backend="flashinfer").unsplit_decode_min_batch == 128  # fmt: skip
+    unsplit = plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128, large_decode_piece_keys=0)
+    assert unsplit.decode_attention == DecodeChoice("triton", 32, 128, 0)
+    assert unsplit.decode_attention.large_backend == "deterministic"
+    assert "decode triton up to batch 32, unsplit from batch 128," in str(unsplit)
+    assert plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128,
+                    decode_attention_backend="flashinfer").large_decode_min_batch == 128  # fmt: skip
     # Where FlashInfer runs no decode batch, or no step at all, there is nothing to take over.
     for options in ({"decode_attention_backend": "triton"}, {"attention_backend": "triton"}):
-        assert plan_for(CUDA, torch.bfloat16, unsplit_decode_min_batch=128, **options).unsplit_decode_min_batch == 0
-    assert plan_for(CPU, torch.float32, unsplit_decode_min_batch=128).unsplit_decode_min_batch == 0
-    with pytest.raises(ValueError, match="unsplit_decode_min_batch must be >= 0, got -1"):
-        KernelOptions(unsplit_decode_min_batch=-1)
+        off = plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128, **options)
+        assert (off.large_decode_min_batch, off.large_decode_piece_keys) == (0, 0)
+        assert off.decode_attention.large_backend is None
+    assert plan_for(CPU, torch.float32, large_decode_min_batch=128).large_decode_min_batch == 0
+    # Off by default; its piece length waits for it.
+    assert (KernelOptions().large_decode_min_batch, KernelOptions().large_decode_piece_keys) == (0, 2048)
+    for name in ("large_decode_min_batch", "large_decode_piece_keys"):
+        with pytest.raises(ValueError, match=f"{name} must be >= 0, got -1"):
+            KernelOptions(**{name: -1})
+
+
+def test_the_large_batch_kernel_needs_triton(packages):
+    packages("flashinfer")  # no Triton: neither large-batch kernel can run
+    assert plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128).large_decode_min_batch == 0
 
 
 def test_options_validate_backend_and_graph_size():
@@ -451,7 +467,7 @@ def test_options_validate_backend_and_graph_size():
     routing = [f.name for f in dataclasses.fields(KernelOptions)]
     assert routing == [
         "attention_backend", "decode_attention_backend", "triton_decode_max_batch",
-        "unsplit_decode_min_batch", "skinny_gemm_max_rows", "lora_overlap_max_rows", "disable_cuda_graph", "disable_pdl",
+        "large_decode_min_batch", "large_decode_piece_keys", "skinny_gemm_max_rows", "lora_overlap_max_rows", "disable_cuda_graph", "disable_pdl",
         "cuda_graph_max_bs",
         "cuda_graph_max_extend_tokens", "enable_deterministic_inference",
         "enable_flashinfer_allreduce_fusion", "symm_mem_allreduce_min_rows",

@@ -104,12 +104,19 @@ def runs(tiny_128) -> dict[str, list[dict]]:
         # otherwise (tests/test_gpu_extend_graphs.py compares those with eager extends).
         "graphs": _generate(tiny_128, **mixed, cuda_graph_max_bs=16, cuda_graph_max_extend_tokens=0),
         "fi-graphs": _generate(tiny_128, **flashinfer_decode, cuda_graph_max_bs=16),
-        # FlashInfer's decode batches from 9 rows on on the unsplit kernel: 9-11 eagerly and in
-        # the graph of 16, 5-8 on FlashInfer in both runs (graphs of 8).
-        "unsplit": _generate(tiny_128, **mixed, unsplit_decode_min_batch=9, disable_cuda_graph=True),
-        "unsplit-graphs": _generate(
-            tiny_128, **mixed, unsplit_decode_min_batch=9, cuda_graph_max_bs=16, cuda_graph_max_extend_tokens=0
-        ),
+        # FlashInfer's decode batches from 9 rows on on the unsplit kernel, or the Triton
+        # decode kernel in pieces of 32 keys: 9-11 rows eagerly and in the graph of 16, 5-8 on
+        # FlashInfer in both runs (graphs of 8).
+        **{
+            f"{name}{suffix}": _generate(
+                tiny_128, **mixed, large_decode_min_batch=9, large_decode_piece_keys=keys, **graphs
+            )
+            for name, keys in (("unsplit", 0), ("pieces", 32))
+            for suffix, graphs in (
+                ("", {"disable_cuda_graph": True}),
+                ("-graphs", {"cuda_graph_max_bs": 16, "cuda_graph_max_extend_tokens": 0}),
+            )
+        },
     }
 
 
@@ -125,9 +132,10 @@ def test_flashinfer_decode_matches_torch_backend(runs):
     _assert_same_greedy(runs["fi-graphs"], runs["torch"], BACKEND_TOL, BACKEND_TIE)
 
 
-def test_large_decode_batches_on_the_unsplit_kernel_match_torch_backend(runs):
-    _assert_same_greedy(runs["unsplit"], runs["torch"], BACKEND_TOL, BACKEND_TIE)
-    _assert_same_greedy(runs["unsplit-graphs"], runs["unsplit"], GRAPH_TOL, GRAPH_TIE)
+@pytest.mark.parametrize("kernel", ["unsplit", "pieces"])
+def test_large_decode_batches_on_their_triton_kernel_match_torch_backend(runs, kernel):
+    _assert_same_greedy(runs[kernel], runs["torch"], BACKEND_TOL, BACKEND_TIE)
+    _assert_same_greedy(runs[f"{kernel}-graphs"], runs[kernel], GRAPH_TOL, GRAPH_TIE)
 
 
 def test_flashinfer_decode_graph_of_a_batch_filling_the_device_matches_eager(tmp_path_factory):

@@ -27,8 +27,13 @@ SAMPLINGS = [
 
 @pytest.mark.parametrize(
     "dtype, options",
-    [("bfloat16", {}), ("float32", {}), ("bfloat16", {"unsplit_decode_min_batch": 33})],
-    ids=["bfloat16", "float32", "bfloat16-unsplit"],
+    [
+        ("bfloat16", {}),
+        ("float32", {}),
+        ("bfloat16", {"large_decode_min_batch": 33, "large_decode_piece_keys": 0}),
+        ("bfloat16", {"large_decode_min_batch": 33, "large_decode_piece_keys": 16}),
+    ],
+    ids=["bfloat16", "float32", "bfloat16-unsplit", "bfloat16-pieces"],
 )
 def test_serving_after_the_warm_up_compiles_nothing(tiny_qwen3, dtype, options):
     with RolloutEngine(

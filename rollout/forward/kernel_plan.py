@@ -19,6 +19,7 @@ import torch
 from rollout.config import EngineOptions
 from rollout.forward import attention
 from rollout.forward.attention import DecodeChoice
+from rollout.kernel_options import KernelOptions
 
 # "auto" takes the first of these that can run here, else torch.
 AUTO_ORDER = ("flashinfer", "triton")
@@ -85,14 +86,17 @@ class KernelPlan:
     # base GEMMs (models/lora_layer.py, LoraLayer.around); 0: after them.
     lora_overlap_max_rows: int = 0
     # Decode batches of at least this many rows that decode_backend does not take run the
-    # unsplit kernel (attention.UNSPLIT) instead of attention_backend; 0: never.
-    unsplit_decode_min_batch: int = 0
+    # Triton decode kernel in pieces of large_decode_piece_keys keys (0: the unsplit kernel)
+    # instead of attention_backend; 0: never.
+    large_decode_min_batch: int = 0
+    large_decode_piece_keys: int = 0
 
     @property
     def decode_attention(self) -> DecodeChoice:
         return DecodeChoice(
-            self.decode_backend, self.decode_max_batch, self.unsplit_decode_min_batch
-        )
+            self.decode_backend, self.decode_max_batch, self.large_decode_min_batch,
+            self.large_decode_piece_keys,
+        )  # fmt: skip
 
     def samples_with_kernel(self, rows: int, filtered: bool) -> bool:
         """Whether a sampling batch of `rows` rows (`filtered`: some use top-k/top-p/min-p)
@@ -158,6 +162,7 @@ def resolve_kernel_plan(
     )
     max_bs = _graph_max_bs(options)
     symm_rows = _symm_mem_rows(options, device)
+    large_min = _large_min_batch(kopts, extend, decode, device, dtype)
     return KernelPlan(
         attention_backend=extend,
         decode_backend=decode.backend,
@@ -180,15 +185,24 @@ def resolve_kernel_plan(
             if options.lora.enable_lora and device.type == "cuda"
             else 0
         ),
-        unsplit_decode_min_batch=_unsplit_min_batch(kopts.unsplit_decode_min_batch, extend, decode),
+        large_decode_min_batch=large_min,
+        large_decode_piece_keys=kopts.large_decode_piece_keys if large_min else 0,
     )
 
 
-def _unsplit_min_batch(asked: int, extend: str, decode: DecodeChoice) -> int:
-    """unsplit_decode_min_batch as it applies: to the decode batches FlashInfer's decode would
-    run (above the Triton decode kernel's, where FlashInfer's runs every extend); 0 elsewhere."""
+def _large_min_batch(
+    kopts: KernelOptions, extend: str, decode: DecodeChoice, device: torch.device,
+    dtype: torch.dtype,
+) -> int:  # fmt: skip
+    """large_decode_min_batch as it applies: to the decode batches FlashInfer's decode would
+    run (above the Triton decode kernel's, where FlashInfer's runs every extend), where its
+    Triton kernel runs; 0 elsewhere."""
     flashinfer_decodes = decode.backend == extend or decode.max_batch is not None
-    return asked if extend == "flashinfer" and flashinfer_decodes else 0
+    large = attention.LARGE_PIECES if kopts.large_decode_piece_keys else attention.UNSPLIT
+    runs = attention.unavailable_reason(large, device, dtype) is None
+    if extend != "flashinfer" or not flashinfer_decodes or not runs:
+        return 0
+    return kopts.large_decode_min_batch
 
 
 def _extend_graph_max_tokens(options: EngineOptions, extend: str, graphs: bool) -> int:

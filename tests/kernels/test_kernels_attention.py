@@ -50,6 +50,24 @@ def test_decode_attention_split_count_does_not_change_result(device):
     torch.testing.assert_close(own, one)
 
 
+def test_decode_attention_in_long_pieces_cuts_only_the_long_requests(device):
+    """min_keys_per_split (the large decode batches' pieces): a request of at most that many
+    keys is one program, whatever num_splits allows; a longer one is cut, one piece per that
+    many keys, and its result is the reference's."""
+    batch = make_paged_batch([600, 17, 150], [1, 1, 1], 4, 2, 16, torch.float32, device, seed=7)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, 0.25)
+    whole = decode_attention(*args, num_splits=1)
+    pieces = decode_attention(*args, num_splits=16, min_keys_per_split=200)
+    assert choose_num_splits(600, 200) == 3 and choose_num_splits(150, 200) == 1
+    assert torch.equal(pieces[1:], whole[1:])  # 17 and 150 keys: one piece each, the same bits
+    assert not torch.equal(pieces[0], whole[0])  # 600 keys: three pieces, merged
+    torch.testing.assert_close(pieces.cpu().double(), reference_attention(batch, 0.25), atol=2e-5, rtol=2e-5)
+    # As with the default pieces, more splits than the request's own cut change no bit.
+    assert torch.equal(decode_attention(*args, num_splits=3, min_keys_per_split=200), pieces)
+    with pytest.raises(ValueError, match="min_keys_per_split must be >= 1, got 0"):
+        decode_attention(*args, num_splits=1, min_keys_per_split=0)
+
+
 def test_decode_attention_of_a_request_does_not_depend_on_its_batch(device):
     batch = make_paged_batch([600, 17, 290], [1, 1, 1], 4, 2, 16, torch.float32, device, seed=5)
     full = decode_attention(

@@ -181,11 +181,17 @@ def runs(model_setup, device) -> dict[str, _Driver]:
         "triton-fused-skinny": _run(model_setup, device, "triton", fused=True, skinny_rows=4),
         # decode_attention_backend: extend on one backend, decode on another, one KV pool.
         "torch-then-triton": _run(model_setup, device, "torch", padded=len(PROMPT_LENS) + 3, decode="triton"),
-        # unsplit_decode_min_batch: decode batches from a size on through the unsplit kernel,
-        # eager (the 4-row batches) and as a graph replays them (padded to 7 rows).
+        # large_decode_min_batch: decode batches from a size on through the unsplit kernel
+        # (large_decode_piece_keys 0) or the Triton decode kernel in pieces of 8 keys (the
+        # 33- and 62-token prompts in several), eager (the 4-row batches) and as a graph
+        # replays them (padded to 7 rows).
         "torch-then-unsplit": _run(model_setup, device, "torch", decode=DecodeChoice("torch", None, 4)),
         "torch-then-unsplit-padded": _run(
             model_setup, device, "torch", padded=len(PROMPT_LENS) + 3, decode=DecodeChoice("torch", None, 5)
+        ),
+        "torch-then-pieces": _run(model_setup, device, "torch", decode=DecodeChoice("torch", None, 4, 8)),
+        "torch-then-pieces-padded": _run(
+            model_setup, device, "torch", padded=len(PROMPT_LENS) + 3, decode=DecodeChoice("torch", None, 5, 8)
         ),
         # kv_cache_dtype="fp8_e4m3": an 8-bit cache, written and read by the torch backend and
         # (on CUDA: the interpreter's 8-bit conversions are wrong) by the fused Triton kernels.
@@ -240,8 +246,18 @@ def test_decode_on_another_backend_than_extend(runs):
 @pytest.mark.parametrize("run", ["torch-then-unsplit", "torch-then-unsplit-padded"])
 def test_large_decode_batches_on_the_unsplit_kernel(runs, run):
     got = runs[run]
-    assert isinstance(got.backend.unsplit, DeterministicAttentionBackend)
-    assert got.backend.unsplit.seq_lens is not None  # the decode steps were the unsplit kernel's
+    assert isinstance(got.backend.large, DeterministicAttentionBackend)
+    assert got.backend.large.seq_lens is not None  # the decode steps were the unsplit kernel's
+    _assert_same_run(got, runs["torch"], 1e-4)
+
+
+@pytest.mark.parametrize("run", ["torch-then-pieces", "torch-then-pieces-padded"])
+def test_large_decode_batches_on_the_triton_kernel_in_long_pieces(runs, run):
+    got = runs[run]
+    large = got.backend.large
+    assert isinstance(large, TritonAttentionBackend) and large.decode_piece_keys == 8
+    assert large.seq_lens is not None  # the decode steps were its
+    assert large.num_splits > 1  # and cut the requests (a piece per 8 keys)
     _assert_same_run(got, runs["torch"], 1e-4)
 
 

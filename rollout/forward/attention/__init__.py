@@ -69,23 +69,33 @@ BACKENDS: dict[str, BackendEntry] = {
     ),
     "triton": BackendEntry(_triton, package="triton", gpu_only=True, cuda_graph=True),
     # Chosen by enable_deterministic_inference, and for large decode batches by
-    # unsplit_decode_min_batch; on the CPU under TRITON_INTERPRET=1.
+    # large_decode_piece_keys 0; on the CPU under TRITON_INTERPRET=1.
     "deterministic": BackendEntry(_deterministic, package="triton", cuda_graph=True),
 }
-# The backend of DecodeChoice.unsplit_min_batch's decode batches.
-UNSPLIT = "deterministic"
+# The backends of DecodeChoice.large_min_batch's decode batches: the Triton decode kernel with
+# long pieces, or with large_piece_keys 0 the unsplit kernel.
+LARGE_PIECES, UNSPLIT = "triton", "deterministic"
 
 
 @dataclass(frozen=True)
 class DecodeChoice:
     """The backend decode steps run on, and the largest decode batch it takes (None: every
-    batch); larger ones run on the attention backend, or from `unsplit_min_batch` rows on (0:
-    never) on the unsplit kernel: the deterministic backend's, one program over all of a
-    request's keys for each of its KV heads."""
+    batch); larger ones run on the attention backend, or from `large_min_batch` rows on (0:
+    never) on a Triton kernel: the decode kernel cutting each request's keys into pieces of
+    `large_piece_keys` (a shorter request is one program for each KV head), or with
+    large_piece_keys 0 the unsplit kernel (the deterministic backend's, one program over all of
+    a request's keys for each KV head)."""
 
     backend: str
     max_batch: int | None = None
-    unsplit_min_batch: int = 0
+    large_min_batch: int = 0
+    large_piece_keys: int = 0
+
+    @property
+    def large_backend(self) -> str | None:
+        if not self.large_min_batch:
+            return None
+        return LARGE_PIECES if self.large_piece_keys else UNSPLIT
 
     def __str__(self) -> str:
         text = (
@@ -93,8 +103,12 @@ class DecodeChoice:
             if self.max_batch is None
             else f"{self.backend} up to batch {self.max_batch}"
         )
-        if self.unsplit_min_batch:
-            text += f", unsplit from batch {self.unsplit_min_batch}"
+        if self.large_backend == LARGE_PIECES:
+            text += f", triton in pieces of {self.large_piece_keys} keys"
+        if self.large_backend == UNSPLIT:
+            text += ", unsplit"
+        if self.large_backend is not None:
+            text += f" from batch {self.large_min_batch}"
         return text
 
 
@@ -129,11 +143,12 @@ def unavailable_reason(
 def supports_cuda_graph(name: str, decode: DecodeChoice) -> bool:
     """Whether backend `name` with decode steps on `decode` can run inside CUDA graphs (as
     HybridAttentionBackend.supports_cuda_graph answers for the built backend)."""
-    unsplit_ok = not decode.unsplit_min_batch or BACKENDS[UNSPLIT].cuda_graph
+    large = decode.large_backend
+    large_ok = large is None or BACKENDS[large].cuda_graph
     if decode.backend == name:
-        return BACKENDS[name].cuda_graph and unsplit_ok
+        return BACKENDS[name].cuda_graph and large_ok
     extend_ok = decode.max_batch is None or BACKENDS[name].cuda_graph
-    return BACKENDS[decode.backend].cuda_graph and extend_ok and unsplit_ok
+    return BACKENDS[decode.backend].cuda_graph and extend_ok and large_ok
 
 
 def supports_extend_graph(name: str) -> bool:
@@ -154,16 +169,23 @@ def create_attention_backend(
             raise ValueError(
                 f"attention_backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
             )
-    if decode.backend == name and not decode.unsplit_min_batch:
+    if decode.backend == name and not decode.large_min_batch:
         return BACKENDS[name].create(shape)
     from rollout.forward.attention.hybrid_backend import HybridAttentionBackend
 
     extend = BACKENDS[name].create(shape)
     small = extend if decode.backend == name else BACKENDS[decode.backend].create(shape)
-    unsplit = BACKENDS[UNSPLIT].create(shape) if decode.unsplit_min_batch else None
     return HybridAttentionBackend(
-        extend, small, decode.max_batch, unsplit, decode.unsplit_min_batch
+        extend, small, decode.max_batch, _large_decode(decode, shape), decode.large_min_batch
     )
+
+
+def _large_decode(decode: DecodeChoice, shape: AttentionShape) -> AttentionBackend | None:
+    if decode.large_backend == LARGE_PIECES:
+        from rollout.forward.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(shape, decode_piece_keys=decode.large_piece_keys)
+    return None if decode.large_backend is None else BACKENDS[decode.large_backend].create(shape)
 
 
 __all__ = [

@@ -1,8 +1,7 @@
 """One backend for extend (prefill and chunks), another for decode, over the same KV pool; and
-optionally decode batches above a size back on the extend backend, or from a size on, on the
-unsplit kernel (the deterministic backend's: a program per request and KV head, over all its
-keys; on large batches alone faster than FlashInfer's decode, benchmarks/RESULTS.md, forty-first
-session).
+optionally decode batches above a size back on the extend backend, or from a size on, on a
+third backend for large batches (the Triton decode kernel with long pieces, or the unsplit
+kernel: benchmarks/RESULTS.md, forty-first and forty-second sessions).
 
 Every backend reads and writes the KVPool layout as it is, so the steps of a run mix freely:
 FlashInfer's prefill kernels for extend with the Triton decode kernel for small decode batches,
@@ -22,32 +21,32 @@ from rollout.forward.forward_batch import ForwardBatch, ForwardMode
 class HybridAttentionBackend(AttentionBackend):
     def __init__(
         self, extend: AttentionBackend, decode: AttentionBackend, decode_max_batch: int | None = None,
-        unsplit: AttentionBackend | None = None, unsplit_min_batch: int = 0,
+        large: AttentionBackend | None = None, large_min_batch: int = 0,
     ) -> None:  # fmt: skip
         """decode runs decode batches of up to decode_max_batch rows (None: all of them);
-        `unsplit`, if given, those of at least unsplit_min_batch rows that decode does not
-        take; extend runs the others. A graph's batch is its padded size, here and in capture."""
+        `large`, if given, those of at least large_min_batch rows that decode does not take;
+        extend runs the others. A graph's batch is its padded size, here and in capture."""
         if decode_max_batch is not None and decode_max_batch < 1:
             raise ValueError(f"decode_max_batch must be >= 1 or None, got {decode_max_batch}")
-        if unsplit is not None and unsplit_min_batch < 1:
-            raise ValueError(f"unsplit_min_batch must be >= 1, got {unsplit_min_batch}")
+        if large is not None and large_min_batch < 1:
+            raise ValueError(f"large_min_batch must be >= 1, got {large_min_batch}")
         self.extend = extend
         self.decode = decode
         self.decode_max_batch = decode_max_batch
-        self.unsplit = unsplit
-        self.unsplit_min_batch = unsplit_min_batch
+        self.large = large
+        self.large_min_batch = large_min_batch
         self.supports_cuda_graph = (
             decode.supports_cuda_graph
             and (decode_max_batch is None or extend.supports_cuda_graph)
-            and (unsplit is None or unsplit.supports_cuda_graph)
+            and (large is None or large.supports_cuda_graph)
         )
         self.supports_extend_graph = extend.supports_extend_graph
 
     def _decode_for(self, batch_size: int) -> AttentionBackend:
         if self.decode_max_batch is not None and batch_size <= self.decode_max_batch:
             return self.decode
-        if self.unsplit is not None and batch_size >= self.unsplit_min_batch:
-            return self.unsplit
+        if self.large is not None and batch_size >= self.large_min_batch:
+            return self.large
         return self.decode if self.decode_max_batch is None else self.extend
 
     def _for(self, fb: ForwardBatch) -> AttentionBackend:

@@ -26,7 +26,9 @@ from rollout_kernels.kv_store import store_kv
 class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, shape: AttentionShape) -> None:
+    def __init__(self, shape: AttentionShape, decode_piece_keys: int | None = None) -> None:
+        """decode_piece_keys: a decode cuts each request's keys into one piece per this many
+        (the kernel's MIN_KEYS_PER_SPLIT by default: short pieces, for small batches)."""
         device = torch.device(shape.device)
         if device.type != "cuda" and not interpreting():
             raise ValueError(
@@ -34,6 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
                 "attention_backend='torch' there (or TRITON_INTERPRET=1 to interpret the kernels, slowly)"
             )
         self.shape = shape
+        self.decode_piece_keys = decode_piece_keys
         # What the next forward's kernels read: fb's own tensors, or the graph buffers below.
         self.seq_lens: torch.Tensor | None = None  # [B] int64
         self.req_rows: torch.Tensor | None = None  # [B] int64 rows of req_to_token
@@ -43,7 +46,12 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, fb: ForwardBatch) -> None:
         self.seq_lens, self.req_rows = fb.seq_lens, fb.req_pool_indices
         if fb.mode is ForwardMode.DECODE:
-            self.num_splits = choose_num_splits(max(fb.seq_lens_cpu))
+            # With pieces of its own (large batches, past the largest graph among them), every
+            # decode launches the graphs' shape: the one variant the warm-up compiled, whatever
+            # the lengths (a request's result is the same from its own cut on).
+            own = self.decode_piece_keys is not None
+            longest = self.shape.max_context_len if own else max(fb.seq_lens_cpu)
+            self.num_splits = choose_num_splits(longest, self.decode_piece_keys)
             return
         self.extend_starts = torch.cumsum(fb.extend_lens, 0) - fb.extend_lens  # [B], on the device
         self.max_extend_len = max(fb.extend_lens_cpu)
@@ -55,7 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.seq_lens, self.req_rows = self._graph_rows.fill(padded_batch_size, fb)
         # Fixed: the graph replays the launch shape it captured, for any length (each request
         # is still cut by its own length, as in an eager step).
-        self.num_splits = choose_num_splits(self.shape.max_context_len)
+        self.num_splits = choose_num_splits(self.shape.max_context_len, self.decode_piece_keys)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch,
@@ -69,7 +77,8 @@ class TritonAttentionBackend(AttentionBackend):
             return decode_attention(
                 q, k_cache, v_cache, fb.req_to_token, self.req_rows, self.seq_lens,
                 layer.scaling, num_splits=self.num_splits,
-            )
+                min_keys_per_split=self.decode_piece_keys,
+            )  # fmt: skip
         return extend_attention(
             q, k_cache, v_cache, fb.req_to_token, self.req_rows, self.seq_lens,
             fb.extend_lens, self.extend_starts, self.max_extend_len, layer.scaling,
