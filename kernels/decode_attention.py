@@ -46,6 +46,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    row = tl.load(req_pool_ptr + b).to(tl.int64)
     # This request's own cut; programs past it find no keys and report an empty part.
     pieces = tl.minimum(tl.maximum(tl.cdiv(seq_len, MIN_KEYS), 1), NUM_SPLITS)
     split_len = tl.cdiv(seq_len, pieces)
@@ -54,15 +55,8 @@ def _decode_split_kernel(
 
     group = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + group
-    hmask = group < GROUP
-    # An empty split reports lse = -inf and writes no part: the merge gives it no weight and
-    # does not read it. Such a program (most of a graph's, whose launch holds NUM_SPLITS
-    # pieces of every request) reads nothing else.
-    if start >= end:
-        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, float("-inf"), mask=hmask)
-        return
-    row = tl.load(req_pool_ptr + b).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
+    hmask = group < GROUP
     dmask = dims < HEAD_DIM
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
@@ -90,10 +84,13 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), from_cache_dtype(v, q.dtype), input_precision=DOT_PRECISION)
         m = m_new
 
-    out = acc / denom[:, None]
-    lse = m + tl.log(denom)
+    # An empty split reports lse = -inf and writes no part: the merge gives it no weight and
+    # does not read it.
+    nonempty = denom > 0
+    out = acc / tl.where(nonempty, denom, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, denom, 1.0)), float("-inf"))
     part_offs = b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + dims[None, :]
-    tl.store(part_ptr + part_offs, out, mask=hmask[:, None] & dmask[None, :])
+    tl.store(part_ptr + part_offs, out, mask=(hmask & nonempty)[:, None] & dmask[None, :])
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
 
 
