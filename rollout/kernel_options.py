@@ -40,10 +40,10 @@ class KernelOptions:
         "with decode_attention_backend auto under flashinfer: the largest decode batch (a CUDA "
         "graph's padded size) on the Triton decode kernel; 0: none",
     )
-    # Alone, the unsplit kernel read large decode batches' KV faster than FlashInfer's decode and
-    # made the rl and nano workloads 1.5% and 1-4% faster from 144 rows; with a few long
-    # requests among short ones it and FlashInfer's decode wait on one program each, where the
-    # Triton decode kernel, which cuts long requests, was 2.2-2.7x faster (benchmarks/RESULTS.md,
+    # Alone, the unsplit kernel read evenly long requests' KV faster than FlashInfer's decode,
+    # and the rl and nano workloads ran a little faster on it; with a few long requests among
+    # short ones, it and FlashInfer's decode each wait on one program per long request, where
+    # the Triton decode kernel, which cuts them, was far faster (benchmarks/RESULTS.md,
     # forty-second session). Off until the Triton kernel with long pieces is measured.
     large_decode_min_batch: int = _opt(
         0,
