@@ -26,6 +26,17 @@ if not torch.cuda.is_available():
 from rollout.tiny_model import make_tiny_model  # noqa: E402
 
 
+@pytest.fixture
+def packages(monkeypatch):
+    """Pretend exactly the named packages import (for the kernel plan's backend checks)."""
+    from rollout.forward import attention
+
+    def set_importable(*names: str) -> None:
+        monkeypatch.setattr(attention, "package_imports", lambda name: name in names)
+
+    return set_importable
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")), "llama", seed=0)

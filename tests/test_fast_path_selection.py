@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from plan_helpers import CPU, CUDA, lengths_batch, plan_for
 
 from rollout.config import EngineOptions, KernelOptions, option_fields
 from rollout.engine.cuda_graph_runner import GraphInputs, graph_batch_sizes, padded_size
@@ -29,32 +30,9 @@ from rollout.forward.kernel_plan import SKINNY_MIN_WEIGHT, KernelPlan, resolve_k
 from rollout.kernel_options import SKINNY_GEMM_MAX_ROWS
 from rollout.real_configs import REAL_CONFIGS
 
-CUDA = torch.device("cuda", 0)
-CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def packages(monkeypatch):
-    """Pretend exactly the named packages import."""
-
-    def set_importable(*names: str) -> None:
-        monkeypatch.setattr(attention, "package_imports", lambda name: name in names)
-
-    return set_importable
-
-
-def plan_for(device: torch.device, dtype: torch.dtype, **options) -> KernelPlan:
-    """The plan of an engine with these flat options on `device` in `dtype`."""
-    return resolve_kernel_plan(EngineOptions.from_kwargs(model_path="m", **options), device, dtype)
-
 
 def backend(device: torch.device, dtype: torch.dtype, name: str = "auto") -> str:
     return plan_for(device, dtype, attention_backend=name).attention_backend
-
-
-def decode(extend: str, device: torch.device, dtype: torch.dtype, name: str, cut: int):
-    options = {"decode_attention_backend": name, "triton_decode_max_batch": cut}
-    return plan_for(device, dtype, attention_backend=extend, **options).decode_attention
 
 
 def test_auto_picks_flashinfer_on_a_gpu_in_half_precision(packages):
@@ -110,26 +88,6 @@ def test_a_named_backend_that_cannot_run_here_says_why(packages):
     with pytest.raises(ValueError, match="must be one of auto, flashinfer, triton, torch"):
         backend(CUDA, torch.bfloat16, "fast")
     assert backend(CPU, torch.float32, "torch") == "torch"
-
-
-def test_small_decode_batches_run_on_triton_under_flashinfer_by_default(packages):
-    packages("flashinfer", "triton")
-    default = KernelOptions().triton_decode_max_batch
-    assert plan_for(CUDA, torch.bfloat16).decode_attention == DecodeChoice("triton", default)
-    # The default cut is a CUDA-graph batch size, so eager and replayed batches route alike.
-    assert default in graph_batch_sizes(256)
-    none = decode("flashinfer", CUDA, torch.bfloat16, "auto", 0)
-    assert none == DecodeChoice("flashinfer")
-    # Elsewhere decode stays on the attention backend itself, for every batch.
-    assert decode("triton", CUDA, torch.float32, "auto", 32) == DecodeChoice("triton")
-    assert decode("torch", CPU, torch.float32, "auto", 32) == DecodeChoice("torch")
-    # Named explicitly, it is that backend for every batch, or a clear error.
-    named = decode("flashinfer", CUDA, torch.bfloat16, "triton", 32)
-    assert named == DecodeChoice("triton")
-    with pytest.raises(ValueError, match="decode_attention_backend='triton' cannot run here: it"):
-        decode("torch", CPU, torch.float32, "triton", 32)
-    packages("flashinfer")  # without triton, auto keeps decode on flashinfer
-    assert decode("flashinfer", CUDA, torch.bfloat16, "auto", 32) == DecodeChoice("flashinfer")
 
 
 def test_the_gpu_backends_bring_the_fused_kernels_and_torch_stays_the_reference(packages):
@@ -325,122 +283,6 @@ def test_symmetric_memory_sums_only_gpu_ranks_forwards_within_the_longest_step(p
         assert "symmetric" not in str(plan)
 
 
-class _Recorder(attention.AttentionBackend):
-    supports_cuda_graph = True
-
-    def __init__(self, name: str, calls: list) -> None:
-        self.name, self.calls = name, calls
-
-    def prepare(self, fb):
-        self.calls.append((self.name, "prepare", fb.batch_size))
-
-    def prepare_graph(self, padded_batch_size, fb):
-        self.calls.append((self.name, "prepare_graph", padded_batch_size))
-
-    def forward(self, q, k, v, layer, fb, kv_stored=False):
-        self.calls.append((self.name, "forward", fb.batch_size))
-        return q
-
-
-def _batch(mode: ForwardMode, lens: list[int]) -> ForwardBatch:
-    n = torch.tensor(lens)
-    return ForwardBatch(
-        mode=mode, input_ids=torch.zeros(int(n.sum()), dtype=torch.int64), positions=None,
-        out_cache_loc=None, req_pool_indices=torch.arange(len(lens)), seq_lens=n, extend_lens=n,
-        req_to_token=None, kv_pool=None, attn_backend=None, seq_lens_cpu=lens, extend_lens_cpu=lens,
-    )  # fmt: skip
-
-
-def test_hybrid_backend_routes_decode_by_batch_size():
-    from rollout.forward.attention.hybrid_backend import HybridAttentionBackend
-
-    calls = []
-    hybrid = HybridAttentionBackend(_Recorder("extend", calls), _Recorder("decode", calls), decode_max_batch=2)
-    assert hybrid.supports_cuda_graph
-    for mode, lens in [(ForwardMode.EXTEND, [5]), (ForwardMode.DECODE, [3, 4]), (ForwardMode.DECODE, [3, 4, 5])]:
-        fb = _batch(mode, lens)
-        hybrid.prepare(fb)
-        hybrid.forward(None, None, None, None, fb)
-    hybrid.prepare_graph(2, None)  # a graph's batch is its padded size
-    hybrid.prepare_graph(4, _batch(ForwardMode.DECODE, [1]))
-    assert calls == [
-        ("extend", "prepare", 1), ("extend", "forward", 1),
-        ("decode", "prepare", 2), ("decode", "forward", 2),
-        ("extend", "prepare", 3), ("extend", "forward", 3),
-        ("decode", "prepare_graph", 2), ("extend", "prepare_graph", 4),
-    ]  # fmt: skip
-    # Without a cut, every decode batch is the decode backend's; graphs need both to capture
-    # only when the extend backend takes decode batches too.
-    calls.clear()
-    hybrid = HybridAttentionBackend(attention.create_attention_backend("torch"), _Recorder("decode", calls))
-    assert hybrid.supports_cuda_graph
-    hybrid.prepare(_batch(ForwardMode.DECODE, [1] * 300))
-    assert calls == [("decode", "prepare", 300)]
-    cut = HybridAttentionBackend(attention.create_attention_backend("torch"), _Recorder("decode", calls), 8)
-    assert not cut.supports_cuda_graph
-    with pytest.raises(ValueError, match="decode_max_batch must be >= 1"):
-        HybridAttentionBackend(_Recorder("extend", calls), _Recorder("decode", calls), 0)
-
-
-def test_large_decode_batches_go_to_the_large_batch_kernel_from_its_size_on():
-    from rollout.forward.attention.hybrid_backend import HybridAttentionBackend
-
-    calls = []
-    hybrid = HybridAttentionBackend(
-        _Recorder("extend", calls), _Recorder("decode", calls), 2, _Recorder("large", calls), 4
-    )
-    for lens in ([1, 2], [1, 2, 3], [1] * 4, [1] * 9):
-        fb = _batch(ForwardMode.DECODE, lens)
-        hybrid.prepare(fb)
-        hybrid.forward(None, None, None, None, fb)
-    hybrid.prepare_graph(8, None)  # captured as a graph of its padded size
-    hybrid.prepare(_batch(ForwardMode.EXTEND, [1] * 9))  # an extend is never the large kernel's
-    assert [(name, n) for name, what, n in calls if what != "forward"] == [
-        ("decode", 2), ("extend", 3), ("large", 4), ("large", 9), ("large", 8), ("extend", 9),
-    ]
-    # With the decode backend taking every batch, the large batches' kernel takes the large ones.
-    calls.clear()
-    every = HybridAttentionBackend(
-        _Recorder("extend", calls), _Recorder("decode", calls), None, _Recorder("large", calls), 4
-    )
-    every.prepare(_batch(ForwardMode.DECODE, [1] * 3))
-    every.prepare(_batch(ForwardMode.DECODE, [1] * 4))
-    assert calls == [("decode", "prepare", 3), ("large", "prepare", 4)]
-    with pytest.raises(ValueError, match="large_min_batch must be >= 1, got 0"):
-        HybridAttentionBackend(_Recorder("e", calls), _Recorder("d", calls), 2, _Recorder("u", calls))
-
-
-def test_the_large_batch_kernel_takes_flashinfers_decode_batches_only(packages):
-    packages("flashinfer", "triton")
-    plan = plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128)
-    assert plan.decode_attention == DecodeChoice("triton", 32, 128, 2048)
-    assert plan.decode_attention.large_backend == "triton"
-    assert "decode triton up to batch 32, triton in pieces of 2048 keys from batch 128," in str(plan)
-    assert attention.supports_cuda_graph(plan.attention_backend, plan.decode_attention)
-    unsplit = plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128, large_decode_piece_keys=0)
-    assert unsplit.decode_attention == DecodeChoice("triton", 32, 128, 0)
-    assert unsplit.decode_attention.large_backend == "deterministic"
-    assert "decode triton up to batch 32, unsplit from batch 128," in str(unsplit)
-    assert plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128,
-                    decode_attention_backend="flashinfer").large_decode_min_batch == 128  # fmt: skip
-    # Where FlashInfer runs no decode batch, or no step at all, there is nothing to take over.
-    for options in ({"decode_attention_backend": "triton"}, {"attention_backend": "triton"}):
-        off = plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128, **options)
-        assert (off.large_decode_min_batch, off.large_decode_piece_keys) == (0, 0)
-        assert off.decode_attention.large_backend is None
-    assert plan_for(CPU, torch.float32, large_decode_min_batch=128).large_decode_min_batch == 0
-    # Off by default; its piece length waits for it.
-    assert (KernelOptions().large_decode_min_batch, KernelOptions().large_decode_piece_keys) == (0, 2048)
-    for name in ("large_decode_min_batch", "large_decode_piece_keys"):
-        with pytest.raises(ValueError, match=f"{name} must be >= 0, got -1"):
-            KernelOptions(**{name: -1})
-
-
-def test_the_large_batch_kernel_needs_triton(packages):
-    packages("flashinfer")  # no Triton: neither large-batch kernel can run
-    assert plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128).large_decode_min_batch == 0
-
-
 def test_options_validate_backend_and_graph_size():
     assert KernelOptions().attention_backend == "auto"
     assert KernelOptions().disable_cuda_graph is False
@@ -607,10 +449,10 @@ def test_graph_rows_hold_the_batch_then_padding_at_fixed_addresses():
 
     shape = AttentionShape(2, 1, 8, 1.0, torch.float32, torch.device("cpu"), 4, 16)
     rows = GraphRows(shape)
-    seq_lens, req_rows = rows.fill(4, _batch(ForwardMode.DECODE, [5, 7, 9]))
+    seq_lens, req_rows = rows.fill(4, lengths_batch(ForwardMode.DECODE, [5, 7, 9]))
     assert seq_lens.tolist() == [5, 7, 9, 0] and req_rows.tolist() == [0, 1, 2, 0]
     # A later, smaller batch replays the same graph: what the last one left is padded over.
-    again, _ = rows.fill(4, _batch(ForwardMode.DECODE, [3]))
+    again, _ = rows.fill(4, lengths_batch(ForwardMode.DECODE, [3]))
     assert again.tolist() == [3, 0, 0, 0] and again.data_ptr() == seq_lens.data_ptr()
     with pytest.raises(ValueError, match="exceeds max_batch_size 4"):
         rows.fill(5, None)
