@@ -85,7 +85,12 @@ def test_a_stream_read_slowly_gets_its_updates_merged_and_ends_complete(server, 
     with httpx.stream("POST", f"{server}/generate", json=body, timeout=120) as r:
         lines = r.iter_lines()
         events = [next(line for line in lines if line.startswith("data:"))]
-        time.sleep(3)  # a slow reader: the updates made meanwhile come as fewer, larger events
+        # A slow reader: it reads on only once every token has been made (however slowly this
+        # machine makes them); the updates made meanwhile come as fewer, larger events.
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server}/get_load").json()[0]["num_reqs"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # the last updates on their way from the scheduler to the stream
         events += [line for line in lines if line.startswith("data:")]
     assert events[-1] == "data: [DONE]"
     outs = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]

@@ -182,14 +182,13 @@ def runs(model_setup, device) -> dict[str, _Driver]:
         # decode_attention_backend: extend on one backend, decode on another, one KV pool.
         "torch-then-triton": _run(model_setup, device, "torch", padded=len(PROMPT_LENS) + 3, decode="triton"),
         # large_decode_min_batch: decode batches from a size on through the unsplit kernel
-        # (large_decode_piece_keys 0) or the Triton decode kernel in pieces of 8 keys (the
-        # 33- and 62-token prompts in several), eager (the 4-row batches) and as a graph
-        # replays them (padded to 7 rows).
+        # (large_decode_piece_keys 0), eager (the 4-row batches) and as a graph replays them
+        # (padded to 7 rows); or the Triton decode kernel in pieces of 8 keys (the 33- and
+        # 62-token prompts in several), which launches a graph's split count eagerly too.
         "torch-then-unsplit": _run(model_setup, device, "torch", decode=DecodeChoice("torch", None, 4)),
         "torch-then-unsplit-padded": _run(
             model_setup, device, "torch", padded=len(PROMPT_LENS) + 3, decode=DecodeChoice("torch", None, 5)
         ),
-        "torch-then-pieces": _run(model_setup, device, "torch", decode=DecodeChoice("torch", None, 4, 8)),
         "torch-then-pieces-padded": _run(
             model_setup, device, "torch", padded=len(PROMPT_LENS) + 3, decode=DecodeChoice("torch", None, 5, 8)
         ),
@@ -251,9 +250,8 @@ def test_large_decode_batches_on_the_unsplit_kernel(runs, run):
     _assert_same_run(got, runs["torch"], 1e-4)
 
 
-@pytest.mark.parametrize("run", ["torch-then-pieces", "torch-then-pieces-padded"])
-def test_large_decode_batches_on_the_triton_kernel_in_long_pieces(runs, run):
-    got = runs[run]
+def test_large_decode_batches_on_the_triton_kernel_in_long_pieces(runs):
+    got = runs["torch-then-pieces-padded"]
     large = got.backend.large
     assert isinstance(large, TritonAttentionBackend) and large.decode_piece_keys == 8
     assert large.seq_lens is not None  # the decode steps were its
