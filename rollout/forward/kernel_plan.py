@@ -198,7 +198,7 @@ def _large_min_batch(
     run (above the Triton decode kernel's, where FlashInfer's runs every extend), where its
     Triton kernel runs; 0 elsewhere."""
     flashinfer_decodes = decode.backend == extend or decode.max_batch is not None
-    large = attention.LARGE_PIECES if kopts.large_decode_piece_keys else attention.UNSPLIT
+    large = attention.large_decode_backend(kopts.large_decode_piece_keys)
     runs = attention.unavailable_reason(large, device, dtype) is None
     if extend != "flashinfer" or not flashinfer_decodes or not runs:
         return 0

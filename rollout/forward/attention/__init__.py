@@ -77,6 +77,11 @@ BACKENDS: dict[str, BackendEntry] = {
 LARGE_PIECES, UNSPLIT = "triton", "deterministic"
 
 
+def large_decode_backend(piece_keys: int) -> str:
+    """The backend of large decode batches cut into pieces of `piece_keys` keys (0: uncut)."""
+    return LARGE_PIECES if piece_keys else UNSPLIT
+
+
 @dataclass(frozen=True)
 class DecodeChoice:
     """The backend decode steps run on, and the largest decode batch it takes (None: every
@@ -93,9 +98,7 @@ class DecodeChoice:
 
     @property
     def large_backend(self) -> str | None:
-        if not self.large_min_batch:
-            return None
-        return LARGE_PIECES if self.large_piece_keys else UNSPLIT
+        return large_decode_backend(self.large_piece_keys) if self.large_min_batch else None
 
     def __str__(self) -> str:
         text = (

@@ -37,6 +37,9 @@ class TritonAttentionBackend(AttentionBackend):
             )
         self.shape = shape
         self.decode_piece_keys = decode_piece_keys
+        # A graph's split count: it replays the launch shape it captured, for any length (each
+        # request is still cut by its own length, as in an eager step).
+        self._graph_splits = choose_num_splits(shape.max_context_len, decode_piece_keys)
         # What the next forward's kernels read: fb's own tensors, or the graph buffers below.
         self.seq_lens: torch.Tensor | None = None  # [B] int64
         self.req_rows: torch.Tensor | None = None  # [B] int64 rows of req_to_token
@@ -49,9 +52,10 @@ class TritonAttentionBackend(AttentionBackend):
             # With pieces of its own (large batches, past the largest graph among them), every
             # decode launches the graphs' shape: the one variant the warm-up compiled, whatever
             # the lengths (a request's result is the same from its own cut on).
-            own = self.decode_piece_keys is not None
-            longest = self.shape.max_context_len if own else max(fb.seq_lens_cpu)
-            self.num_splits = choose_num_splits(longest, self.decode_piece_keys)
+            if self.decode_piece_keys is None:
+                self.num_splits = choose_num_splits(max(fb.seq_lens_cpu))
+            else:
+                self.num_splits = self._graph_splits
             return
         self.extend_starts = torch.cumsum(fb.extend_lens, 0) - fb.extend_lens  # [B], on the device
         self.max_extend_len = max(fb.extend_lens_cpu)
@@ -61,9 +65,7 @@ class TritonAttentionBackend(AttentionBackend):
         if self._graph_rows is None:
             self._graph_rows = GraphRows(self.shape)
         self.seq_lens, self.req_rows = self._graph_rows.fill(padded_batch_size, fb)
-        # Fixed: the graph replays the launch shape it captured, for any length (each request
-        # is still cut by its own length, as in an eager step).
-        self.num_splits = choose_num_splits(self.shape.max_context_len, self.decode_piece_keys)
+        self.num_splits = self._graph_splits
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch,
