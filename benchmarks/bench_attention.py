@@ -12,6 +12,8 @@ into a fused qkv output) against a contiguous one. `--spread` draws each request
 uniformly from [1, 2 x context] instead (a workload's mix), and `--long 2 32768` gives two
 requests of the batch 32,768 keys each (a long tail among short requests); `--split-keys 64 1024` times the
 Triton kernel once per piece length (keys per split-KV piece) instead of its default.
+`--launch-context 32768` launches it as a graph sized for that context does (most programs of
+a short request then find no keys).
 `--kv-dtype fp8_e4m3` (or fp8_e5m2) keeps K and V in 8 bits, as kv_cache_dtype does, with bf16
 queries. `--deterministic-configs` adds the deterministic mode's kernel (a decode as an extend
 of one token per request).
@@ -106,6 +108,13 @@ def main() -> None:
     parser.add_argument("--split-keys", type=int, nargs="*", default=[], help="Triton piece lengths to time")
     parser.add_argument("--max-splits", type=int, default=None, help="Triton's most pieces a request is cut into")
     parser.add_argument(
+        "--launch-context",
+        type=int,
+        default=None,
+        help="launch the Triton kernel with the split count of this longest context, as a CUDA graph "
+        "sized for it does (the engine's max context), instead of the batch's longest request's",
+    )
+    parser.add_argument(
         "--triton-configs", nargs="*", default=[],
         help="Triton launches to time, each BLOCK_N,num_warps,num_stages (e.g. 64,4,3 128,8,2)",
     )  # fmt: skip
@@ -193,7 +202,7 @@ def main() -> None:
             if args.max_splits is not None:
                 triton_decode.MAX_SPLITS = args.max_splits
             try:
-                splits = triton_decode.choose_num_splits(max(lengths))
+                splits = triton_decode.choose_num_splits(args.launch_context or max(lengths))
                 return triton_decode.decode_attention(
                     x, k_cache, v_cache, req_to_token, rows, seq_lens, scale, splits, **config
                 )
@@ -231,7 +240,7 @@ def main() -> None:
     for name, fn in kernels.items():
         ms = time_ms(lambda fn=fn: fn(q))
         row = {
-            "kernel": name, "batch": b, "context": n, "spread": args.spread, "order": args.order, "long": args.long, "run": args.run, "heads": h, "kv_heads": hkv,
+            "kernel": name, "batch": b, "context": n, "spread": args.spread, "order": args.order, "long": args.long, "run": args.run, "launch_context": args.launch_context, "heads": h, "kv_heads": hkv,
             "kv_dtype": str(kv_dtype).removeprefix("torch."),
             "us": round(ms * 1000, 1), "TB/s": round(kv_bytes / ms / 1e9, 3),
         }

@@ -28,6 +28,11 @@ from rollout_kernels.precision import dot_precision
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 16
 BLOCK_N = 64  # keys per loop step in 16-bit (32 in float32) unless a launch names its own
+# Pieces of at least LONG_PIECE_KEYS keys step through them BLOCK_N_LONG keys at a time in 16-bit
+# with head dims up to 128 (faster at the large decode batches that use long pieces: benchmarks/RESULTS.md, forty-third
+# session).
+LONG_PIECE_KEYS = 1024
+BLOCK_N_LONG = 128
 
 
 @triton.jit
@@ -55,8 +60,15 @@ def _decode_split_kernel(
 
     group = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + group
-    dims = tl.arange(0, BLOCK_D)
     hmask = group < GROUP
+    if start >= end:
+        # Past this request's cut (most programs of a short request in a launch sized for long
+        # ones): lse = -inf before any load, and no part; the merge gives it no weight and does
+        # not read it.
+        empty = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, empty, mask=hmask)
+        return
+    dims = tl.arange(0, BLOCK_D)
     dmask = dims < HEAD_DIM
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
@@ -84,14 +96,11 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), from_cache_dtype(v, q.dtype), input_precision=DOT_PRECISION)
         m = m_new
 
-    # An empty split reports lse = -inf and writes no part: the merge gives it no weight and
-    # does not read it.
-    nonempty = denom > 0
-    out = acc / tl.where(nonempty, denom, 1.0)[:, None]
-    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, denom, 1.0)), float("-inf"))
+    # A piece holds at least one key here, so denom >= 1.
+    out = acc / denom[:, None]
     part_offs = b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + dims[None, :]
-    tl.store(part_ptr + part_offs, out, mask=(hmask & nonempty)[:, None] & dmask[None, :])
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
+    tl.store(part_ptr + part_offs, out, mask=hmask[:, None] & dmask[None, :])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, m + tl.log(denom), mask=hmask)
 
 
 def choose_num_splits(max_seq_len: int, min_keys_per_split: int | None = None) -> int:
@@ -130,7 +139,8 @@ def decode_attention(
     min_keys_per_split) on, the result is the same bit for bit; below, it differs by float
     rounding only. A fixed value keeps the launch shape fixed (CUDA graphs), whatever the
     sequence lengths.
-    block_n (keys per loop step; 64, or 32 in float32, by default; it also moves the rounding),
+    block_n (keys per loop step; 64, or 128 for pieces of LONG_PIECE_KEYS or more with head dims
+    up to 128, or 32 in float32, by default; it also moves the rounding),
     num_warps and num_stages tune the launch (benchmarks/bench_attention.py --triton-configs)."""
     b, heads, dim = q.shape
     check_paged_inputs("decode_attention", q, k_cache, v_cache, req_to_token, "B")
@@ -149,7 +159,8 @@ def decode_attention(
     # tl.dot needs every tile dim >= 16; padded heads and dims are masked out.
     block_d = max(16, triton.next_power_of_2(dim))
     if block_n is None:
-        block_n = 32 if q.dtype == torch.float32 else BLOCK_N
+        long_pieces = min_keys >= LONG_PIECE_KEYS and block_d <= 128
+        block_n = 32 if q.dtype == torch.float32 else BLOCK_N_LONG if long_pieces else BLOCK_N
     _decode_split_kernel[(b, kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         parts, lse,

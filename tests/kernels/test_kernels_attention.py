@@ -13,7 +13,7 @@ from paged_fixtures import make_paged_batch, reference_attention  # noqa: E402
 
 from rollout.forward.kv_pool import to_kv_dtype  # noqa: E402
 from rollout_kernels.attention_merge import merge_attention_parts  # noqa: E402
-from rollout_kernels.decode_attention import choose_num_splits, decode_attention  # noqa: E402
+from rollout_kernels.decode_attention import LONG_PIECE_KEYS, choose_num_splits, decode_attention  # noqa: E402
 from rollout_kernels.extend_attention import extend_attention  # noqa: E402
 from rollout_kernels.kv_store import store_kv  # noqa: E402
 
@@ -66,6 +66,22 @@ def test_decode_attention_in_long_pieces_cuts_only_the_long_requests(device):
     assert torch.equal(decode_attention(*args, num_splits=3, min_keys_per_split=200), pieces)
     with pytest.raises(ValueError, match="min_keys_per_split must be >= 1, got 0"):
         decode_attention(*args, num_splits=1, min_keys_per_split=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_in_long_pieces_at_model_shapes_matches_reference(device, dtype):
+    """The large decode batches' launch at a head dim of 128: pieces of LONG_PIECE_KEYS keys (in
+    16-bit, stepped through BLOCK_N_LONG keys at a time); requests just under, at and over a
+    piece, and most of the launch's programs empty (16 splits for at most 3 pieces)."""
+    if dtype == torch.bfloat16 and torch.device(device).type != "cuda":
+        pytest.skip("Triton's interpreter gets tl.dot of bfloat16 wrong; runs on CUDA")
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    lengths = [2500, 17, LONG_PIECE_KEYS, LONG_PIECE_KEYS + 1]
+    batch = make_paged_batch(lengths, [1] * 4, 8, 2, 128, dtype, device, seed=11)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, 128**-0.5)
+    pieces = decode_attention(*args, num_splits=16, min_keys_per_split=LONG_PIECE_KEYS)
+    torch.testing.assert_close(pieces.cpu().double(), reference_attention(batch, 128**-0.5), **tol)
+    assert torch.equal(decode_attention(*args, num_splits=3, min_keys_per_split=LONG_PIECE_KEYS), pieces)
 
 
 def test_decode_attention_of_a_request_does_not_depend_on_its_batch(device):
