@@ -55,7 +55,7 @@ class KernelOptions:
         "head); 0: never",
     )
     large_decode_piece_keys: int = _opt(
-        2048,
+        4096,
         "keys per piece of a request on the large decode batches' Triton kernel "
         "(large_decode_min_batch): shorter requests are one program for each KV head, longer "
         "ones one per piece (at most 16, longer pieces past that); 0: the unsplit kernel",

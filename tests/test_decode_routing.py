@@ -112,9 +112,9 @@ def test_large_decode_batches_go_to_the_large_batch_kernel_from_its_size_on():
 def test_the_large_batch_kernel_takes_flashinfers_decode_batches_only(packages):
     packages("flashinfer", "triton")
     plan = plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128)
-    assert plan.decode_attention == DecodeChoice("triton", 32, 128, 2048)
+    assert plan.decode_attention == DecodeChoice("triton", 32, 128, 4096)
     assert plan.decode_attention.large_backend == "triton"
-    assert "decode triton up to batch 32, triton in pieces of 2048 keys from batch 128," in str(plan)
+    assert "decode triton up to batch 32, triton in pieces of 4096 keys from batch 128," in str(plan)
     assert attention.supports_cuda_graph(plan.attention_backend, plan.decode_attention)
     unsplit = plan_for(CUDA, torch.bfloat16, large_decode_min_batch=128, large_decode_piece_keys=0)
     assert unsplit.decode_attention == DecodeChoice("triton", 32, 128, 0)
@@ -129,7 +129,7 @@ def test_the_large_batch_kernel_takes_flashinfers_decode_batches_only(packages):
         assert off.decode_attention.large_backend is None
     assert plan_for(CPU, torch.float32, large_decode_min_batch=128).large_decode_min_batch == 0
     # Off by default; its piece length waits for it.
-    assert (KernelOptions().large_decode_min_batch, KernelOptions().large_decode_piece_keys) == (0, 2048)
+    assert (KernelOptions().large_decode_min_batch, KernelOptions().large_decode_piece_keys) == (0, 4096)
     for name in ("large_decode_min_batch", "large_decode_piece_keys"):
         with pytest.raises(ValueError, match=f"{name} must be >= 0, got -1"):
             KernelOptions(**{name: -1})
