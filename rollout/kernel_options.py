@@ -40,11 +40,12 @@ class KernelOptions:
         "with decode_attention_backend auto under flashinfer: the largest decode batch (a CUDA "
         "graph's padded size) on the Triton decode kernel; 0: none",
     )
-    # Alone, the unsplit kernel read evenly long requests' KV faster than FlashInfer's decode,
-    # and the rl and nano workloads ran a little faster on it; with a few long requests among
-    # short ones, it and FlashInfer's decode each wait on one program per long request, where
-    # the Triton decode kernel, which cuts them, was far faster (benchmarks/RESULTS.md,
-    # forty-second session). Off until the Triton kernel with long pieces is measured.
+    # With a few long requests among short ones, FlashInfer's decode and the unsplit kernel each
+    # wait on one program per long request, where the Triton decode kernel in pieces of 4,096
+    # keys, which cuts them, was 1.4-2.9x faster alone; inside the engine the rl workload, a
+    # long-tail rl run and nano's decode steps ran at the default's speed or up to 3% faster
+    # from 144 rows (benchmarks/RESULTS.md, forty-second and forty-third sessions). Off: no
+    # workload measured yet gains beyond the runs' spread.
     large_decode_min_batch: int = _opt(
         0,
         "under flashinfer: decode batches of at least this many rows (a CUDA graph's padded "
