@@ -8,6 +8,7 @@
     python benchmarks/bench_offline.py --model llama-3.1-8b --workload random --num-seqs 500 \\
         --input-len 4096 --output-len 2048
     python benchmarks/bench_offline.py --model qwen2.5-7b --workload rl
+    python benchmarks/bench_offline.py --model qwen2.5-7b --workload agent
 
 On a CPU, with the project's tiny model (seconds):
 
@@ -27,7 +28,11 @@ of 512..1024 tokens x 8 samples each (sent as n=8 sends them: one request per sa
 requests next to each other, sharing their prompt), temperature 1.0, return_logprob, and output
 lengths as reasoning rollouts have them: lognormal with median --max-len / 5 (4096 / 5) and
 sigma 1, capped at --max-len (4096), drawn per sample after the prompts from the same seeded
-stream (many short samples, a long tail, a few cut off at the cap), ignore_eos.
+stream (many short samples, a long tail, a few cut off at the cap), ignore_eos. `agent` is one
+turn of 256 agent trajectories whose conversations have grown unevenly: prompt lengths
+lognormal with median --max-len / 16 (16384 / 16) and sigma 1.5, capped at --max-len (many
+short contexts, a few long ones in the same decode batches), replies uniform in 128..512
+tokens, temperature 1.0, return_logprob, ignore_eos.
 
 Token ids are drawn in 0..10000 and taken modulo the model's vocabulary (config.json's
 vocab_size), so a model with a larger one sees exactly nano-vllm's prompts and a smaller one
@@ -69,12 +74,14 @@ from benchmarks.run_counters import (  # noqa: E402
     step_times,
 )
 from benchmarks.workloads import (  # noqa: E402
+    AGENT_REPLY_LENS,
     DEFAULT_MAX_LEN,
     DEFAULT_NUM_SEQS,
     NANO_MIN_LEN,
     PROMPT_LENS,
     WORKLOADS,
     Workload,
+    agent_workload,
     fixed_workload,
     grpo_workload,
     nano_workload,
@@ -90,6 +97,8 @@ def build_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     """args as resolve_lengths left them."""
     if args.workload == "rl":
         return rl_workload(args.num_seqs, args.output_len, vocab_size)
+    if args.workload == "agent":
+        return agent_workload(args.num_seqs, args.input_len, vocab_size)
     if args.workload == "nano":
         return nano_workload(args.num_seqs, args.max_len, vocab_size)
     if args.workload == "grpo":
@@ -114,7 +123,7 @@ def resolve_lengths(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--range-ratio must be in [0, 1], got {args.range_ratio}")
     if w != "random" and args.range_ratio:
         parser.error(f"--range-ratio applies to --workload random only, not {w}")
-    if w in ("nano", "grpo", "rl") and (args.input_len or args.output_len):
+    if w in ("nano", "grpo", "rl", "agent") and (args.input_len or args.output_len):
         parser.error(f"--input-len and --output-len apply to --workload fixed and random; {w} "
                      "takes --max-len")  # fmt: skip
     args.num_seqs = args.num_seqs or DEFAULT_NUM_SEQS[w]
@@ -128,6 +137,8 @@ def resolve_lengths(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         args.input_len = args.output_len = args.max_len
     elif w in PROMPT_LENS:
         args.input_len, args.output_len = PROMPT_LENS[w][1], args.max_len
+    elif w == "agent":
+        args.input_len, args.output_len = args.max_len, AGENT_REPLY_LENS[1]
     else:
         args.input_len = args.input_len or args.max_len
         args.output_len = args.output_len or args.max_len
@@ -146,6 +157,8 @@ def check_context(
         flags = f"--max-len {args.max_len}"
     elif args.workload in PROMPT_LENS:
         flags = f"--max-len {args.max_len} (prompts are up to {args.input_len} tokens)"
+    elif args.workload == "agent":
+        flags = f"--max-len {args.max_len} (replies are up to {args.output_len} tokens)"
     parser.error(
         f"--workload {args.workload} with {flags} makes prompts of up to {args.input_len} and "
         f"outputs of up to {args.output_len} tokens, {total} in all, over the model's context "
@@ -177,11 +190,11 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
         help=f"checkpoint dir or one of {sorted(REAL_CONFIGS)}")  # fmt: skip
     add("--workload", choices=WORKLOADS, default="nano")
     add("--num-seqs", type=int,
-        help="sequences (nano 256, fixed 64, random 500) or prompts (grpo 64, rl 128)")  # fmt: skip
+        help="sequences (nano 256, fixed 64, random 500, agent 256) or prompts (grpo 64, rl 128)")  # fmt: skip
     add("--max-len", type=int,
         help="nano: max prompt and output length (1024, at least 100); grpo: output length "
-        "(512); rl: max output length (4096); fixed and random: default of --input-len and "
-        "--output-len (256, 1024)")  # fmt: skip
+        "(512); rl: max output length (4096); agent: max prompt length (16384); fixed and "
+        "random: default of --input-len and --output-len (256, 1024)")  # fmt: skip
     add("--input-len", type=int, help="fixed: prompt length; random: max prompt length")
     add("--output-len", type=int, help="fixed: output length; random: max output length")
     add("--range-ratio", type=float, default=0.0,
@@ -189,7 +202,7 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add("--poll-ms", type=float,
         help="call get_server_info every this many ms during the timed run (a monitor)")  # fmt: skip
     add("--return-logprob", action=argparse.BooleanOptionalAction,
-        help="ask for each output token's logprob (default: on for rl, off otherwise)")  # fmt: skip
+        help="ask for each output token's logprob (default: on for rl and agent, off otherwise)")  # fmt: skip
     add("--dtype", default="auto")
     add("--device", default=None)
     add("--disable-radix-cache", action="store_true")
@@ -222,7 +235,7 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     if args.poll_ms is not None and args.poll_ms <= 0:
         parser.error(f"--poll-ms must be > 0, got {args.poll_ms}")
     if args.return_logprob is None:
-        args.return_logprob = args.workload == "rl"
+        args.return_logprob = args.workload in ("rl", "agent")
     if args.compare == "hf" and not torch.cuda.is_available():
         parser.error("--compare hf needs a CUDA GPU (hf_baseline.py runs transformers there)")
     return parser, args

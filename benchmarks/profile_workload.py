@@ -25,7 +25,9 @@ import torch  # noqa: E402
 
 from benchmarks.decode_launch import set_decode_launch  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
+    DEFAULT_MAX_LEN,
     WORKLOADS,
+    agent_workload,
     fixed_workload,
     grpo_workload,
     nano_workload,
@@ -126,6 +128,8 @@ def pick_workload(args: argparse.Namespace, vocab: int):
         return grpo_workload(args.num_seqs or 64, 512, vocab)
     if args.workload == "rl":
         return rl_workload(args.num_seqs or 128, args.output_len or 4096, vocab)
+    if args.workload == "agent":
+        return agent_workload(args.num_seqs or 256, DEFAULT_MAX_LEN["agent"], vocab)
     output_len = args.output_len or 1024
     if args.workload == "fixed":
         return fixed_workload(args.num_seqs or 64, args.input_len, output_len, vocab)

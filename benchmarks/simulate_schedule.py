@@ -33,10 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_gemv import projections  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
+    AGENT_REPLY_LENS,
     DEFAULT_MAX_LEN,
     DEFAULT_NUM_SEQS,
     RL_PROMPT_LENS,
     WORKLOADS,
+    agent_workload,
     fixed_workload,
     grpo_workload,
     nano_workload,
@@ -124,6 +126,9 @@ def workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]]
     if w == "rl":
         args.input_len = RL_PROMPT_LENS[1]
         return rl_workload(args.num_seqs, args.output_len, vocab_size)
+    if w == "agent":
+        args.input_len, args.output_len = DEFAULT_MAX_LEN["agent"], AGENT_REPLY_LENS[1]
+        return agent_workload(args.num_seqs, args.input_len, vocab_size)
     if w == "fixed":
         return fixed_workload(args.num_seqs, args.input_len, args.output_len, vocab_size)
     return random_workload(args.num_seqs, args.input_len, args.output_len, 0.0, vocab_size)

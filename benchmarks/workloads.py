@@ -14,9 +14,15 @@ GRPO_PROMPT_LENS = (64, 512)
 RL_PROMPT_LENS = (512, 1024)
 RL_GROUP = 8  # samples of each prompt (a GRPO group)
 RL_MEDIAN_FRACTION, RL_SIGMA = 0.2, 1.0  # lognormal output lengths: median max_len / 5
-WORKLOADS = ("nano", "grpo", "fixed", "random", "rl")
-DEFAULT_NUM_SEQS = {"nano": 256, "grpo": 64, "fixed": 64, "random": 500, "rl": 128}
-DEFAULT_MAX_LEN = {"nano": 1024, "grpo": 512, "fixed": 256, "random": 1024, "rl": 4096}
+# One turn of many agent trajectories: contexts lognormal with median max_len / 16, replies
+# uniform in AGENT_REPLY_LENS.
+AGENT_MEDIAN_FRACTION, AGENT_SIGMA = 1 / 16, 1.5
+AGENT_REPLY_LENS = (128, 512)
+WORKLOADS = ("nano", "grpo", "fixed", "random", "rl", "agent")
+DEFAULT_NUM_SEQS = {"nano": 256, "grpo": 64, "fixed": 64, "random": 500, "rl": 128, "agent": 256}
+DEFAULT_MAX_LEN = {
+    "nano": 1024, "grpo": 512, "fixed": 256, "random": 1024, "rl": 4096, "agent": 16384,
+}  # fmt: skip
 PROMPT_LENS = {"grpo": GRPO_PROMPT_LENS, "rl": RL_PROMPT_LENS}  # those that take --max-len only
 
 
@@ -85,3 +91,20 @@ def rl_workload(num_prompts: int, max_output_len: int, vocab_size: int) -> Workl
     samples = [list(p) for p in prompts for _ in range(RL_GROUP)]
     params = [{"temperature": 1.0, "ignore_eos": True, "max_new_tokens": n} for n in lengths]
     return samples, params
+
+
+def agent_workload(num_seqs: int, max_context_len: int, vocab_size: int) -> Workload:
+    """num_seqs agent trajectories at their next turn: each prompt is a conversation grown to its
+    own length (many short, a few near max_context_len), each reply AGENT_REPLY_LENS long."""
+    rng = random.Random(0)
+    median = math.log(max_context_len * AGENT_MEDIAN_FRACTION)
+    lengths = [
+        min(max(round(rng.lognormvariate(median, AGENT_SIGMA)), 1), max_context_len)
+        for _ in range(num_seqs)
+    ]
+    prompts = [token_ids(rng, n, vocab_size) for n in lengths]
+    params = [
+        {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": rng.randint(*AGENT_REPLY_LENS)}
+        for _ in range(num_seqs)
+    ]
+    return prompts, params

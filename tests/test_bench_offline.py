@@ -125,6 +125,32 @@ def test_the_rl_workload_runs_scaled_down_and_reports_its_timings(bench, tiny_qw
     assert result["polls"] > 0 and result["pipeline_drains"] == 0
 
 
+def test_the_agent_workload_holds_a_few_long_contexts_among_many_short_ones(bench):
+    prompts, params = bench.agent_workload(256, 16384, 151936)
+    assert (prompts, params) == bench.agent_workload(256, 16384, 151936)  # seeded
+    assert len(prompts) == len(params) == 256 and len({tuple(p) for p in prompts}) == 256
+    lengths = sorted(len(p) for p in prompts)
+    assert 1 <= lengths[0] and lengths[-1] == 16384
+    # Half the contexts under 1/8 of the longest, yet several long ones in the same batch.
+    assert lengths[128] < 16384 // 8
+    assert 10 <= sum(n >= 8192 for n in lengths) <= 40
+    assert all(128 <= q["max_new_tokens"] <= 512 for q in params)
+    assert all(q["temperature"] == 1.0 and q["ignore_eos"] for q in params)
+
+
+def test_the_agent_workload_runs_scaled_down_with_logprobs(bench, tiny_qwen3):
+    proc = run_bench(
+        "--model", tiny_qwen3, "--workload", "agent", "--num-seqs", "1", "--max-len", "64",
+        "--device", "cpu",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    prompts, params = bench.agent_workload(1, 64, TINY_VOCAB)
+    assert max(len(p) for p in prompts) <= 64
+    assert result["num_seqs"] == 1 and result["return_logprob"] is True
+    assert result["output_tokens"] == sum(q["max_new_tokens"] for q in params)
+
+
 def test_a_bad_length_is_a_usage_error_not_a_traceback(tiny_qwen3):
     """The issue's own case: nano draws lengths in 100..max-len, so 32 leaves no range."""
     proc = run_bench("--model", tiny_qwen3, "--workload", "nano", "--max-len", "32", timeout=60)
@@ -148,6 +174,8 @@ def test_a_bad_length_is_a_usage_error_not_a_traceback(tiny_qwen3):
         (["--workload", "grpo", "--max-len", "4000"], "outputs of up to 4000 tokens, 4512 in all"),
         (["--workload", "rl", "--max-len", "3500"], "(prompts are up to 1024 tokens)"),
         (["--workload", "rl", "--input-len", "600"], "--input-len and --output-len apply to"),
+        (["--workload", "agent", "--max-len", "3600"], "(replies are up to 512 tokens)"),
+        (["--workload", "agent", "--output-len", "64"], "--input-len and --output-len apply to"),
         (["--workload", "nano", "--poll-ms", "0"], "--poll-ms must be > 0, got 0.0"),
         (["--workload", "fixed", "--input-len", "4000", "--output-len", "200"],
          "--input-len 4000 / --output-len 200"),
