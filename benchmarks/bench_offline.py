@@ -80,34 +80,11 @@ from benchmarks.workloads import (  # noqa: E402
     NANO_MIN_LEN,
     PROMPT_LENS,
     WORKLOADS,
-    Workload,
-    agent_workload,
-    fixed_workload,
-    grpo_workload,
-    nano_workload,
-    random_workload,
-    rl_workload,
+    draw,
 )
 from rollout import RolloutEngine  # noqa: E402
 from rollout.config import CacheOptions, KernelOptions  # noqa: E402
 from rollout.real_configs import REAL_CONFIGS, write_config_checkpoint  # noqa: E402
-
-
-def build_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
-    """args as resolve_lengths left them."""
-    if args.workload == "rl":
-        return rl_workload(args.num_seqs, args.output_len, vocab_size)
-    if args.workload == "agent":
-        return agent_workload(args.num_seqs, args.input_len, vocab_size)
-    if args.workload == "nano":
-        return nano_workload(args.num_seqs, args.max_len, vocab_size)
-    if args.workload == "grpo":
-        return grpo_workload(args.num_seqs, args.output_len, vocab_size)
-    if args.workload == "random":
-        return random_workload(
-            args.num_seqs, args.input_len, args.output_len, args.range_ratio, vocab_size
-        )
-    return fixed_workload(args.num_seqs, args.input_len, args.output_len, vocab_size)
 
 
 def resolve_lengths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -336,7 +313,10 @@ def main() -> None:
     # The engine's default context (scheduler_process.py); the exact one is checked once it runs.
     context = config.get("max_position_embeddings", 4096)
     check_context(parser, args, context, "max_position_embeddings in config.json")
-    prompts, params = build_workload(args, config["vocab_size"])
+    prompts, params = draw(
+        args.workload, args.num_seqs, args.input_len, args.output_len, config["vocab_size"],
+        args.range_ratio,
+    )
     expected_tokens = sum(p["max_new_tokens"] * p.get("n", 1) for p in params)
 
     with RolloutEngine(model, **options) as engine:

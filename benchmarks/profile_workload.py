@@ -26,13 +26,9 @@ import torch  # noqa: E402
 from benchmarks.decode_launch import set_decode_launch  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     DEFAULT_MAX_LEN,
+    DEFAULT_NUM_SEQS,
     WORKLOADS,
-    agent_workload,
-    fixed_workload,
-    grpo_workload,
-    nano_workload,
-    random_workload,
-    rl_workload,
+    draw,
 )
 from rollout.config import CacheOptions, EngineOptions, KernelOptions  # noqa: E402
 from rollout.engine import launched_step  # noqa: E402
@@ -122,18 +118,10 @@ def run(sched, prompts, params, return_logprob=False) -> list[tuple[str, int, fl
 
 def pick_workload(args: argparse.Namespace, vocab: int):
     """The prompts and sampling params of --workload at its default sizes."""
-    if args.workload == "nano":
-        return nano_workload(args.num_seqs or 256, 1024, vocab)
-    if args.workload == "grpo":
-        return grpo_workload(args.num_seqs or 64, 512, vocab)
-    if args.workload == "rl":
-        return rl_workload(args.num_seqs or 128, args.output_len or 4096, vocab)
-    if args.workload == "agent":
-        return agent_workload(args.num_seqs or 256, DEFAULT_MAX_LEN["agent"], vocab)
-    output_len = args.output_len or 1024
-    if args.workload == "fixed":
-        return fixed_workload(args.num_seqs or 64, args.input_len, output_len, vocab)
-    return random_workload(args.num_seqs or 500, args.input_len, output_len, 0.0, vocab)
+    w = args.workload
+    input_len = DEFAULT_MAX_LEN[w] if w == "agent" else args.input_len
+    output_len = DEFAULT_MAX_LEN[w] if w in ("nano", "grpo") else args.output_len or (4096 if w == "rl" else 1024)
+    return draw(w, args.num_seqs or DEFAULT_NUM_SEQS[w], input_len, output_len, vocab)
 
 
 def main() -> None:

@@ -38,12 +38,7 @@ from benchmarks.workloads import (  # noqa: E402
     DEFAULT_NUM_SEQS,
     RL_PROMPT_LENS,
     WORKLOADS,
-    agent_workload,
-    fixed_workload,
-    grpo_workload,
-    nano_workload,
-    random_workload,
-    rl_workload,
+    draw,
 )
 from rollout.config import EngineOptions, SchedulerOptions  # noqa: E402
 from rollout.engine.busy_timer import step_kind  # noqa: E402
@@ -119,19 +114,13 @@ def workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]]
     args.output_len = args.output_len or (2048 if w in ("random", "fixed") else DEFAULT_MAX_LEN[w])
     if w == "nano":
         args.input_len = args.output_len = DEFAULT_MAX_LEN["nano"]
-        return nano_workload(args.num_seqs, args.output_len, vocab_size)
-    if w == "grpo":
+    elif w == "grpo":
         args.input_len = 512
-        return grpo_workload(args.num_seqs, args.output_len, vocab_size)
-    if w == "rl":
+    elif w == "rl":
         args.input_len = RL_PROMPT_LENS[1]
-        return rl_workload(args.num_seqs, args.output_len, vocab_size)
-    if w == "agent":
+    elif w == "agent":
         args.input_len, args.output_len = DEFAULT_MAX_LEN["agent"], AGENT_REPLY_LENS[1]
-        return agent_workload(args.num_seqs, args.input_len, vocab_size)
-    if w == "fixed":
-        return fixed_workload(args.num_seqs, args.input_len, args.output_len, vocab_size)
-    return random_workload(args.num_seqs, args.input_len, args.output_len, 0.0, vocab_size)
+    return draw(w, args.num_seqs, args.input_len, args.output_len, vocab_size)
 
 
 def main() -> None:

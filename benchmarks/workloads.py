@@ -108,3 +108,29 @@ def agent_workload(num_seqs: int, max_context_len: int, vocab_size: int) -> Work
         for _ in range(num_seqs)
     ]
     return prompts, params
+
+
+def draw(
+    workload: str,
+    num_seqs: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    range_ratio: float = 0.0,
+) -> Workload:
+    """`workload` with input_len and output_len the longest prompt and output it may make: nano
+    takes output_len as its max_len (prompts as long), grpo and rl their output length (their
+    prompts are their own), agent input_len as its longest context (replies are its own)."""
+    if workload == "nano":
+        return nano_workload(num_seqs, output_len, vocab_size)
+    if workload == "grpo":
+        return grpo_workload(num_seqs, output_len, vocab_size)
+    if workload == "rl":
+        return rl_workload(num_seqs, output_len, vocab_size)
+    if workload == "agent":
+        return agent_workload(num_seqs, input_len, vocab_size)
+    if workload == "fixed":
+        return fixed_workload(num_seqs, input_len, output_len, vocab_size)
+    if workload == "random":
+        return random_workload(num_seqs, input_len, output_len, range_ratio, vocab_size)
+    raise ValueError(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")

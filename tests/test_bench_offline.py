@@ -35,6 +35,12 @@ def bench():
     return bench_offline
 
 
+@pytest.fixture(scope="module")
+def workloads(bench):
+    """benchmarks/workloads.py, as the script imports it."""
+    return sys.modules["benchmarks.workloads"]
+
+
 def test_the_tiny_model_has_the_small_vocabulary_this_file_is_about(tiny_qwen3):
     with open(os.path.join(tiny_qwen3, "config.json")) as f:
         config = json.load(f)
@@ -72,20 +78,20 @@ def test_each_workload_runs_on_the_tiny_model_and_reports_its_throughput(
     assert all(v["host_ms"] == v["device_ms"] for v in steps.values())
 
 
-def test_prompt_ids_are_folded_into_the_vocabulary_and_unchanged_where_it_is_large(bench):
-    small, _ = bench.nano_workload(8, 300, TINY_VOCAB)
+def test_prompt_ids_are_folded_into_the_vocabulary_and_unchanged_where_it_is_large(workloads):
+    small, _ = workloads.nano_workload(8, 300, TINY_VOCAB)
     assert max(max(p) for p in small) < TINY_VOCAB
     # With a vocabulary above 10,000 the prompts are nano-vllm's own: randint(0, 10000) draws.
-    large, large_params = bench.nano_workload(8, 300, 151936)
+    large, large_params = workloads.nano_workload(8, 300, 151936)
     assert max(max(p) for p in large) >= TINY_VOCAB
     assert [len(p) for p in large] == [len(p) for p in small]
     assert [[t % TINY_VOCAB for t in p] for p in large] == small
     assert all(100 <= q["max_new_tokens"] <= 300 for q in large_params)
 
 
-def test_the_rl_workload_is_grpo_groups_with_skewed_seeded_lengths(bench):
-    prompts, params = bench.rl_workload(128, 4096, 151936)
-    assert (prompts, params) == bench.rl_workload(128, 4096, 151936)  # seeded
+def test_the_rl_workload_is_grpo_groups_with_skewed_seeded_lengths(workloads):
+    prompts, params = workloads.rl_workload(128, 4096, 151936)
+    assert (prompts, params) == workloads.rl_workload(128, 4096, 151936)  # seeded
     assert len(prompts) == len(params) == 128 * 8
     for g in range(128):  # a group's 8 samples are neighbours with one prompt
         assert all(p == prompts[8 * g] for p in prompts[8 * g : 8 * g + 8])
@@ -102,14 +108,14 @@ def test_the_rl_workload_is_grpo_groups_with_skewed_seeded_lengths(bench):
     assert 10 < lengths.count(4096) < 100
 
 
-def test_the_rl_workload_runs_scaled_down_and_reports_its_timings(bench, tiny_qwen3):
+def test_the_rl_workload_runs_scaled_down_and_reports_its_timings(workloads, tiny_qwen3):
     proc = run_bench(
         "--model", tiny_qwen3, "--workload", "rl", "--num-seqs", "2", "--max-len", "48",
         "--device", "cpu", "--poll-ms", "2",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    _, params = bench.rl_workload(2, 48, TINY_VOCAB)
+    _, params = workloads.rl_workload(2, 48, TINY_VOCAB)
     assert result["num_seqs"] == 16
     assert result["output_tokens"] == sum(q["max_new_tokens"] for q in params)
     assert result["return_logprob"] is True  # the bench checks every token got one
@@ -125,9 +131,9 @@ def test_the_rl_workload_runs_scaled_down_and_reports_its_timings(bench, tiny_qw
     assert result["polls"] > 0 and result["pipeline_drains"] == 0
 
 
-def test_the_agent_workload_holds_a_few_long_contexts_among_many_short_ones(bench):
-    prompts, params = bench.agent_workload(256, 16384, 151936)
-    assert (prompts, params) == bench.agent_workload(256, 16384, 151936)  # seeded
+def test_the_agent_workload_holds_a_few_long_contexts_among_many_short_ones(workloads):
+    prompts, params = workloads.agent_workload(256, 16384, 151936)
+    assert (prompts, params) == workloads.agent_workload(256, 16384, 151936)  # seeded
     assert len(prompts) == len(params) == 256 and len({tuple(p) for p in prompts}) == 256
     lengths = sorted(len(p) for p in prompts)
     assert 1 <= lengths[0] and lengths[-1] == 16384
@@ -138,14 +144,14 @@ def test_the_agent_workload_holds_a_few_long_contexts_among_many_short_ones(benc
     assert all(q["temperature"] == 1.0 and q["ignore_eos"] for q in params)
 
 
-def test_the_agent_workload_runs_scaled_down_with_logprobs(bench, tiny_qwen3):
+def test_the_agent_workload_runs_scaled_down_with_logprobs(workloads, tiny_qwen3):
     proc = run_bench(
         "--model", tiny_qwen3, "--workload", "agent", "--num-seqs", "1", "--max-len", "64",
         "--device", "cpu",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    prompts, params = bench.agent_workload(1, 64, TINY_VOCAB)
+    prompts, params = workloads.agent_workload(1, 64, TINY_VOCAB)
     assert max(len(p) for p in prompts) <= 64
     assert result["num_seqs"] == 1 and result["return_logprob"] is True
     assert result["output_tokens"] == sum(q["max_new_tokens"] for q in params)
