@@ -179,7 +179,8 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     add("--poll-ms", type=float,
         help="call get_server_info every this many ms during the timed run (a monitor)")  # fmt: skip
     add("--return-logprob", action=argparse.BooleanOptionalAction,
-        help="ask for each output token's logprob (default: on for rl and agent, off otherwise)")  # fmt: skip
+        help="ask for each output token's logprob (default: on for rl and agent, off "
+        "otherwise)")  # fmt: skip
     add("--dtype", default="auto")
     add("--device", default=None)
     add("--disable-radix-cache", action="store_true")

@@ -29,8 +29,8 @@ MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 16
 BLOCK_N = 64  # keys per loop step in 16-bit (32 in float32) unless a launch names its own
 # Pieces of at least LONG_PIECE_KEYS keys step through them BLOCK_N_LONG keys at a time in 16-bit
-# with head dims up to 128 (faster at the large decode batches that use long pieces: benchmarks/RESULTS.md, forty-third
-# session).
+# with head dims up to 128 (faster at the large decode batches that use long pieces:
+# benchmarks/RESULTS.md, forty-third session).
 LONG_PIECE_KEYS = 1024
 BLOCK_N_LONG = 128
 
