@@ -5,6 +5,7 @@ fit the model's context, are refused with a message naming the flag, not a trace
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -209,3 +210,24 @@ def test_a_context_the_kv_pool_shrinks_is_checked_once_the_engine_runs(tiny_qwen
     assert proc.returncode == 2, proc.stderr[-4000:]
     assert "over the model's context of 128 tokens (the engine's context_length)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("workload", ["nano", "grpo", "rl", "agent"])
+def test_the_simulator_and_the_profiler_draw_the_benchmarks_workloads(
+    bench, workloads, monkeypatch, workload
+):
+    """At their defaults, simulate_schedule.py and profile_workload.py draw the very prompts and
+    lengths bench_offline.py runs (their estimates and profiles are of the benchmark's run)."""
+    monkeypatch.setattr(sys, "argv", ["bench_offline.py", "--model", "x", "--workload", workload])
+    _, args = bench.parse_args()
+    want = workloads.draw(workload, args.num_seqs, args.input_len, args.output_len, 151936)
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import profile_workload
+        import simulate_schedule
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
+    given = {"workload": workload, "num_seqs": None, "output_len": None}
+    simulated = simulate_schedule.workload(argparse.Namespace(**given, input_len=4096), 151936)
+    profiled = profile_workload.pick_workload(argparse.Namespace(**given, input_len=1024), 151936)
+    assert simulated == want and profiled == want
