@@ -42,7 +42,7 @@ class KernelOptions:
     )
     # With a few long requests among short ones, FlashInfer's decode and the unsplit kernel each
     # wait on one program per long request, where the Triton decode kernel in pieces of 4,096
-    # keys, which cuts them, was 1.4-2.9x faster alone; inside the engine the rl workload, a
+    # keys, which cuts them, was 1.3-2.9x faster alone; inside the engine the rl workload, a
     # long-tail rl run and nano's decode steps ran at the default's speed or up to 3% faster
     # from 144 rows (benchmarks/RESULTS.md, forty-second and forty-third sessions). Off: no
     # workload measured yet gains beyond the runs' spread.
