@@ -74,13 +74,14 @@ from benchmarks.run_counters import (  # noqa: E402
     step_times,
 )
 from benchmarks.workloads import (  # noqa: E402
-    AGENT_REPLY_LENS,
     DEFAULT_MAX_LEN,
     DEFAULT_NUM_SEQS,
+    MAX_LEN_ONLY,
     NANO_MIN_LEN,
     PROMPT_LENS,
     WORKLOADS,
     draw,
+    longest_lengths,
 )
 from rollout import RolloutEngine  # noqa: E402
 from rollout.config import CacheOptions, KernelOptions  # noqa: E402
@@ -100,22 +101,18 @@ def resolve_lengths(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--range-ratio must be in [0, 1], got {args.range_ratio}")
     if w != "random" and args.range_ratio:
         parser.error(f"--range-ratio applies to --workload random only, not {w}")
-    if w in ("nano", "grpo", "rl", "agent") and (args.input_len or args.output_len):
+    if w in MAX_LEN_ONLY and (args.input_len or args.output_len):
         parser.error(f"--input-len and --output-len apply to --workload fixed and random; {w} "
                      "takes --max-len")  # fmt: skip
     args.num_seqs = args.num_seqs or DEFAULT_NUM_SEQS[w]
     args.max_len = args.max_len or DEFAULT_MAX_LEN[w]
-    if w == "nano":
-        if args.max_len < NANO_MIN_LEN:
-            parser.error(
-                f"--max-len must be >= {NANO_MIN_LEN} for --workload nano (its prompt and output "
-                f"lengths are uniform in {NANO_MIN_LEN}..max-len), got {args.max_len}"
-            )
-        args.input_len = args.output_len = args.max_len
-    elif w in PROMPT_LENS:
-        args.input_len, args.output_len = PROMPT_LENS[w][1], args.max_len
-    elif w == "agent":
-        args.input_len, args.output_len = args.max_len, AGENT_REPLY_LENS[1]
+    if w == "nano" and args.max_len < NANO_MIN_LEN:
+        parser.error(
+            f"--max-len must be >= {NANO_MIN_LEN} for --workload nano (its prompt and output "
+            f"lengths are uniform in {NANO_MIN_LEN}..max-len), got {args.max_len}"
+        )
+    if w in MAX_LEN_ONLY:
+        args.input_len, args.output_len = longest_lengths(w, args.max_len)
     else:
         args.input_len = args.input_len or args.max_len
         args.output_len = args.output_len or args.max_len

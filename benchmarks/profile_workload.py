@@ -27,8 +27,10 @@ from benchmarks.decode_launch import set_decode_launch  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     DEFAULT_MAX_LEN,
     DEFAULT_NUM_SEQS,
+    MAX_LEN_ONLY,
     WORKLOADS,
     draw,
+    longest_lengths,
 )
 from rollout.config import CacheOptions, EngineOptions, KernelOptions  # noqa: E402
 from rollout.engine import launched_step  # noqa: E402
@@ -119,8 +121,11 @@ def run(sched, prompts, params, return_logprob=False) -> list[tuple[str, int, fl
 def pick_workload(args: argparse.Namespace, vocab: int):
     """The prompts and sampling params of --workload at its default sizes."""
     w = args.workload
-    input_len = DEFAULT_MAX_LEN[w] if w == "agent" else args.input_len
-    output_len = DEFAULT_MAX_LEN[w] if w in ("nano", "grpo") else args.output_len or (4096 if w == "rl" else 1024)
+    if w in MAX_LEN_ONLY:  # --output-len is rl's --max-len
+        max_len = (w == "rl" and args.output_len) or DEFAULT_MAX_LEN[w]
+        input_len, output_len = longest_lengths(w, max_len)
+    else:
+        input_len, output_len = args.input_len, args.output_len or 1024
     return draw(w, args.num_seqs or DEFAULT_NUM_SEQS[w], input_len, output_len, vocab)
 
 

@@ -33,12 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_gemv import projections  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
-    AGENT_REPLY_LENS,
     DEFAULT_MAX_LEN,
     DEFAULT_NUM_SEQS,
-    RL_PROMPT_LENS,
+    MAX_LEN_ONLY,
     WORKLOADS,
     draw,
+    longest_lengths,
 )
 from rollout.config import EngineOptions, SchedulerOptions  # noqa: E402
 from rollout.engine.busy_timer import step_kind  # noqa: E402
@@ -112,14 +112,9 @@ def workload(args: argparse.Namespace, vocab_size: int) -> tuple[list[list[int]]
     w = args.workload
     args.num_seqs = args.num_seqs or DEFAULT_NUM_SEQS[w]
     args.output_len = args.output_len or (2048 if w in ("random", "fixed") else DEFAULT_MAX_LEN[w])
-    if w == "nano":
-        args.input_len = args.output_len = DEFAULT_MAX_LEN["nano"]
-    elif w == "grpo":
-        args.input_len = 512
-    elif w == "rl":
-        args.input_len = RL_PROMPT_LENS[1]
-    elif w == "agent":
-        args.input_len, args.output_len = DEFAULT_MAX_LEN["agent"], AGENT_REPLY_LENS[1]
+    if w in MAX_LEN_ONLY:  # --output-len is grpo's and rl's --max-len
+        max_len = args.output_len if w in ("grpo", "rl") else DEFAULT_MAX_LEN[w]
+        args.input_len, args.output_len = longest_lengths(w, max_len)
     return draw(w, args.num_seqs, args.input_len, args.output_len, vocab_size)
 
 

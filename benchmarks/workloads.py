@@ -23,7 +23,18 @@ DEFAULT_NUM_SEQS = {"nano": 256, "grpo": 64, "fixed": 64, "random": 500, "rl": 1
 DEFAULT_MAX_LEN = {
     "nano": 1024, "grpo": 512, "fixed": 256, "random": 1024, "rl": 4096, "agent": 16384,
 }  # fmt: skip
-PROMPT_LENS = {"grpo": GRPO_PROMPT_LENS, "rl": RL_PROMPT_LENS}  # those that take --max-len only
+PROMPT_LENS = {"grpo": GRPO_PROMPT_LENS, "rl": RL_PROMPT_LENS}  # prompts of their own
+MAX_LEN_ONLY = ("nano", "grpo", "rl", "agent")  # sized by --max-len alone
+
+
+def longest_lengths(workload: str, max_len: int) -> tuple[int, int]:
+    """The longest prompt and output of a MAX_LEN_ONLY workload at `max_len`: nano's both,
+    grpo's and rl's output (their prompts are their own), agent's prompt (its replies are)."""
+    if workload == "nano":
+        return max_len, max_len
+    if workload == "agent":
+        return max_len, AGENT_REPLY_LENS[1]
+    return PROMPT_LENS[workload][1], max_len
 
 
 def token_ids(rng: random.Random, count: int, vocab_size: int) -> list[int]:
