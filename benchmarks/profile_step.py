@@ -109,7 +109,7 @@ def profile(sched, args: argparse.Namespace, adapters: list[str]) -> None:
             TokenizedRequest(f"r{i}", ids, params, seed=i, lora_name=lora, return_logprob=args.return_logprob)
         )
     if args.extend:
-        profile_extend(sched, args.batch * args.prompt_len)
+        profile_extend(sched, args.batch * args.prompt_len, args.cprofile)
         return
     while sched.waiting or sched.chunked:
         sched.step()
@@ -168,13 +168,17 @@ def print_device_busy(prof, steps: int) -> None:
           f"({len(spans) / steps:.0f} device events per step)")
 
 
-def profile_extend(sched, prompt_tokens: int) -> None:
-    """The scheduler's prefill of every waiting prompt, under the profiler."""
+def profile_extend(sched, prompt_tokens: int, cprofile: bool) -> None:
+    """The scheduler's prefill of every waiting prompt, under the profiler (with `cprofile`,
+    under cProfile instead: the Python functions taking the host's time)."""
+    import cProfile
+    import pstats
+
     torch.cuda.synchronize()
     steps = 0
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    ) as prof:
+    host = cProfile.Profile() if cprofile else None
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with host or torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
         while sched.waiting or sched.chunked:
             sched.step()
@@ -183,6 +187,9 @@ def profile_extend(sched, prompt_tokens: int) -> None:
         seconds = time.perf_counter() - start
     print(f"prefill of {prompt_tokens} prompt tokens: {steps} steps, {seconds * 1000 / steps:.2f} ms/step, "
           f"{prompt_tokens / seconds:.0f} tok/s (profiled)")
+    if host:
+        pstats.Stats(host).sort_stats("tottime").print_stats(25)
+        return
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 

@@ -40,14 +40,13 @@ class KernelOptions:
         "with decode_attention_backend auto under flashinfer: the largest decode batch (a CUDA "
         "graph's padded size) on the Triton decode kernel; 0: none",
     )
-    # With a few long requests among short ones, FlashInfer's decode and the unsplit kernel each
-    # wait on one program per long request, where the Triton decode kernel in pieces of 4,096
-    # keys, which cuts them, was 1.3-2.9x faster alone; inside the engine the rl workload, a
-    # long-tail rl run and nano's decode steps ran at the default's speed or up to 3% faster
-    # from 144 rows (benchmarks/RESULTS.md, forty-second and forty-third sessions). Off: no
-    # workload measured yet gains beyond the runs' spread.
+    # With a few long requests among short ones, FlashInfer's decode waits on one program per
+    # long request, where the Triton decode kernel in pieces of 4,096 keys cuts them. From 80
+    # rows (the graphs above 64) the agent workload gained most, nano a little, rl kept its
+    # speed; at 33-64 rows the pieces made rl's steps longer (benchmarks/RESULTS.md,
+    # forty-third and forty-fourth sessions).
     large_decode_min_batch: int = _opt(
-        0,
+        80,
         "under flashinfer: decode batches of at least this many rows (a CUDA graph's padded "
         "size) above the Triton decode kernel's run a Triton kernel instead of FlashInfer's "
         "decode: the decode kernel cutting each request's keys into pieces of "

@@ -19,12 +19,15 @@ from rollout.forward.forward_batch import ForwardMode
 
 def test_small_decode_batches_run_on_triton_under_flashinfer_by_default(packages):
     packages("flashinfer", "triton")
-    default = KernelOptions().triton_decode_max_batch
-    assert plan_for(CUDA, torch.bfloat16).decode_attention == DecodeChoice("triton", default)
-    # The default cut is a CUDA-graph batch size, so eager and replayed batches route alike.
-    assert default in graph_batch_sizes(256)
+    kopts = KernelOptions()
+    default, large = kopts.triton_decode_max_batch, kopts.large_decode_min_batch
+    assert plan_for(CUDA, torch.bfloat16).decode_attention == DecodeChoice(
+        "triton", default, large, kopts.large_decode_piece_keys
+    )
+    # The default cuts are CUDA-graph batch sizes, so eager and replayed batches route alike.
+    assert default in graph_batch_sizes(256) and large in graph_batch_sizes(256)
     none = decode("flashinfer", CUDA, torch.bfloat16, "auto", 0)
-    assert none == DecodeChoice("flashinfer")
+    assert none == DecodeChoice("flashinfer", None, large, kopts.large_decode_piece_keys)
     # Elsewhere decode stays on the attention backend itself, for every batch.
     assert decode("triton", CUDA, torch.float32, "auto", 32) == DecodeChoice("triton")
     assert decode("torch", CPU, torch.float32, "auto", 32) == DecodeChoice("torch")
@@ -128,8 +131,8 @@ def test_the_large_batch_kernel_takes_flashinfers_decode_batches_only(packages):
         assert (off.large_decode_min_batch, off.large_decode_piece_keys) == (0, 0)
         assert off.decode_attention.large_backend is None
     assert plan_for(CPU, torch.float32, large_decode_min_batch=128).large_decode_min_batch == 0
-    # Off by default; its piece length waits for it.
-    assert (KernelOptions().large_decode_min_batch, KernelOptions().large_decode_piece_keys) == (0, 4096)
+    # On by default from 80 rows (the CUDA graphs above 64), in pieces of 4,096 keys.
+    assert (KernelOptions().large_decode_min_batch, KernelOptions().large_decode_piece_keys) == (80, 4096)
     for name in ("large_decode_min_batch", "large_decode_piece_keys"):
         with pytest.raises(ValueError, match=f"{name} must be >= 0, got -1"):
             KernelOptions(**{name: -1})

@@ -211,12 +211,12 @@ def test_plan_reads_as_one_line_and_a_json_dict(packages):
         "sampling_per_filter_set": False, "logprob_kernel": True,
         "allreduce_fusion": False, "symm_mem_allreduce_min_rows": 0,
         "symm_mem_allreduce_max_rows": 0, "programmatic_launch": False,
-        "extend_graph_max_tokens": 512, "lora_overlap_max_rows": 0, "large_decode_min_batch": 0,
-        "large_decode_piece_keys": 0,
+        "extend_graph_max_tokens": 512, "lora_overlap_max_rows": 0, "large_decode_min_batch": 80,
+        "large_decode_piece_keys": 4096,
     }  # fmt: skip
     assert str(plan) == (
-        "attention flashinfer, decode triton up to batch 32, fused kernels on, skinny GEMM up to "
-        "16 rows, CUDA graphs up to batch 1024 and extends up to 512 tokens, sampling kernel"
+        "attention flashinfer, decode triton up to batch 32, triton in pieces of 4096 keys from "
+        "batch 80, fused kernels on, skinny GEMM up to 16 rows, CUDA graphs up to batch 1024 and extends up to 512 tokens, sampling kernel"
     )
 
 
