@@ -15,6 +15,7 @@ from typing import Any
 
 from rollout.engine.messages import DecodeParams, ReqOutput, failure_reason
 from rollout.engine.processes import Addresses
+from rollout.engine.token_text import decode_options
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +89,12 @@ class Detokenizer:
         (a decoder may drop a text's first space). Not when those tokens end inside a
         character, which the output's first bytes would complete."""
         context = list(params.context_ids)
-        if context and self.tokenizer.decode(context, **_decode_kw(params)).endswith(REPLACEMENT):
+        if context and self.tokenizer.decode(context, **decode_options(params)).endswith(REPLACEMENT):
             context = []
         return DecodeState(params, ids=context, read_offset=len(context))
 
     def _decode(self, state: DecodeState, final: bool) -> None:
-        kw = _decode_kw(state.params)
+        kw = decode_options(state.params)
         if state.read_offset == len(state.ids):
             return
         before = self.tokenizer.decode(state.ids[state.prefix_offset : state.read_offset], **kw)
@@ -103,13 +104,6 @@ class Detokenizer:
             state.text += after[len(before) :]
             state.prefix_offset = state.read_offset
             state.read_offset = len(state.ids)
-
-
-def _decode_kw(params: DecodeParams) -> dict[str, bool]:
-    return {
-        "skip_special_tokens": params.skip_special_tokens,
-        "spaces_between_special_tokens": params.spaces_between_special_tokens,
-    }
 
 
 def run_detokenizer_process(tokenizer_path: str, addrs: Addresses, parent_pid: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollout.engine.req import DECODE_CONTEXT_TOKENS, Req
-from rollout.engine.token_text import text_after
+from rollout.engine.token_text import decode_options, text_after
 
 # A stop string of L characters ends within the last L + TAIL_SLACK tokens (byte-level
 # tokens may carry partial characters).
@@ -28,22 +28,20 @@ class StopChecker:
             return {"type": "stop", "matched": token}
         if params.stop and len(req.output_ids) >= params.min_new_tokens:
             longest = max(len(s) for s in params.stop)
-            tail = self._tail(req, longest + TAIL_SLACK, params.skip_special_tokens)
+            tail = self._tail(req, longest + TAIL_SLACK)
             for stop in params.stop:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}
         return None
 
-    def _tail(self, req: Req, tokens: int, skip_special_tokens: bool) -> str:
-        """The text of the output's last `tokens` tokens; from the output's start, what they add
-        after the prompt's last tokens, as the detokenizer decodes them (a decoder may drop a
-        text's first space)."""
+    def _tail(self, req: Req, tokens: int) -> str:
+        """The text of the output's last `tokens` tokens, decoded with the request's options as
+        the detokenizer decodes its text; from the output's start, what they add after the
+        prompt's last tokens (a decoder may drop a text's first space)."""
+        kw = decode_options(req.req.params)
         window = req.output_ids[-tokens:]
         if len(window) == len(req.output_ids):
-            context = req.prompt_ids[-DECODE_CONTEXT_TOKENS:]
-            text = text_after(
-                self.tokenizer, context, window, skip_special_tokens=skip_special_tokens
-            )
+            text = text_after(self.tokenizer, req.prompt_ids[-DECODE_CONTEXT_TOKENS:], window, **kw)
             if text is not None:
                 return text
-        return self.tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(window, **kw)

@@ -21,6 +21,15 @@ def in_text_anchor(tokenizer: Any) -> tuple[list[int], str]:
     return [], ""
 
 
+def decode_options(params: Any) -> dict[str, bool]:
+    """tokenizer.decode's options from a request's (SamplingParams or DecodeParams): the
+    detokenizer's text and the stop checker's read the same."""
+    return {
+        "skip_special_tokens": params.skip_special_tokens,
+        "spaces_between_special_tokens": params.spaces_between_special_tokens,
+    }
+
+
 def text_after(tokenizer: Any, before: list[int], ids: list[int], **decode_kw: bool) -> str | None:
     """The text `ids` add after the text of `before`: the two decoded together, less the text
     of `before` alone; None where decoding them together changes that text."""
