@@ -6,7 +6,8 @@
 # GPUs (CUDA_VISIBLE_DEVICES) under `timeout SECONDS`, the last LINES non-empty lines of its output
 # kept in $OUT/log (all of it in $OUT/qN.log; commands may write up to 7 - queues files of their own
 # into $OUT beside these and the two kernel caches); blank lines and lines starting with # are
-# skipped. The queues run side by side: timings to compare belong in the same queue, tests and
+# skipped. A command's whole output is kept, so pipe it through no `tail`: a command cut by its
+# timeout takes the pipe's output with it. The queues run side by side: timings to compare belong in the same queue, tests and
 # one-off runs in the others. Installs the carried wheels and kernel caches as gpu_session.sh does,
 # and keeps NVLink multicast off.
 set -uo pipefail
