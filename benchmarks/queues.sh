@@ -7,9 +7,9 @@
 # kept in $OUT/log (all of it in $OUT/qN.log; commands may write up to 7 - queues files of their own
 # into $OUT beside these and the two kernel caches); blank lines and lines starting with # are
 # skipped. A command's whole output is kept, so pipe it through no `tail`: a command cut by its
-# timeout takes the pipe's output with it. The queues run side by side: timings to compare belong in the same queue, tests and
-# one-off runs in the others. Installs the carried wheels and kernel caches as gpu_session.sh does,
-# and keeps NVLink multicast off.
+# timeout takes the pipe's output with it. The queues run side by side: timings to compare
+# belong in the same queue, tests and one-off runs in the others. Installs the carried wheels
+# and kernel caches as gpu_session.sh does, and keeps NVLink multicast off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source benchmarks/device_env.sh
