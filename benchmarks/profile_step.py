@@ -176,9 +176,9 @@ def profile_extend(sched, prompt_tokens: int, cprofile: bool) -> None:
 
     torch.cuda.synchronize()
     steps = 0
-    host = cProfile.Profile() if cprofile else None
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with host or torch.profiler.profile(activities=activities) as prof:
+    profiler = cProfile.Profile() if cprofile else torch.profiler.profile(activities=activities)
+    with profiler:
         start = time.perf_counter()
         while sched.waiting or sched.chunked:
             sched.step()
@@ -187,10 +187,10 @@ def profile_extend(sched, prompt_tokens: int, cprofile: bool) -> None:
         seconds = time.perf_counter() - start
     print(f"prefill of {prompt_tokens} prompt tokens: {steps} steps, {seconds * 1000 / steps:.2f} ms/step, "
           f"{prompt_tokens / seconds:.0f} tok/s (profiled)")
-    if host:
-        pstats.Stats(host).sort_stats("tottime").print_stats(25)
-        return
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+    if cprofile:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    else:
+        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
 if __name__ == "__main__":
